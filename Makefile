@@ -1,0 +1,37 @@
+# Two entry points, each sets itself up into .venv on a fresh machine:
+#   make demo   -- the numerics demo (fp16 overflow found, explained and fixed), CPU only
+#   make test   -- installs everything (torch pinned to the local CPU wheel) and runs lint + tests
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# torch is pinned for the test environment only; users may run any torch >= 2.4.
+TORCH_PIN := torch==2.13.0
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.runtime: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.test: pyproject.toml $(VENV)/.runtime
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.runtime
+	$(BIN)/torchdoctor demo
+
+lint: $(VENV)/.test
+	$(BIN)/ruff check src tests benchmarks
+
+test: lint
+	$(BIN)/pytest -q
+
+bench: $(VENV)/.test
+	$(BIN)/python benchmarks/numerics_overhead.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,164 @@
+"""Drop-in replacements for ``transformers.debug_utils``: change the import, keep the output.
+
+``DebugUnderflowOverflow`` prints the same report, trace and ``ValueError`` messages as transformers
+(5.x), with the same batch counting (a batch is one call of the root module's forward, numbered from
+0), and every line transformers prints appears in ours, in the same order, with the same numbers.
+It is built on the numerics monitor's on-device engine, so it reads the device once per batch
+instead of ~4 times per tensor, and it has none of the known defects: hooks are removable
+(``.remove()``) and never doubled, the frame buffer stays bounded after a traced batch, an inf in a
+traced batch does not abort the next batch, bool / empty / meta tensors are fine, keyword inputs and
+dict / ``ModelOutput`` / list outputs are shown (as extra lines after the ones transformers prints),
+recomputation under gradient checkpointing is not taken for new frames, and under torch.distributed
+every line carries its rank.
+
+Example::
+
+    from torchdoctor.compat import DebugUnderflowOverflow   # was: from transformers.debug_utils import ...
+    debug_overflow = DebugUnderflowOverflow(model)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+from torch import nn
+
+from .numerics.frames import ResolvedFrame
+from .numerics.monitor import NumericsMonitor
+from .numerics.overflow import detect_overflow
+from .numerics.render import PREFIX, format_frame, hf_header
+from .numerics.report import build_report
+
+__all__ = ["DebugUnderflowOverflow", "detect_overflow"]
+
+_DETECTED = (
+    "DebugUnderflowOverflow: inf/nan detected, aborting as there is no point running further. "
+    "Please scroll up above this traceback to see the activation values prior to this event."
+)
+
+
+class DebugUnderflowOverflow:
+    """transformers' ``DebugUnderflowOverflow``, same arguments and output, one host sync per batch.
+
+    Args:
+        model (nn.Module): the model to debug.
+        max_frames_to_save (int): how many frames back to print on detection. Defaults to 21.
+        trace_batch_nums (list[int], optional): batches whose every frame is printed (detection is off
+            for them).
+        abort_after_batch_num (int, optional): raise ``ValueError`` once this batch has finished.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        max_frames_to_save: int = 21,
+        trace_batch_nums: list[int] | None = None,
+        abort_after_batch_num: int | None = None,
+    ) -> None:
+        self.model = model
+        self.max_frames_to_save = max_frames_to_save
+        self.trace_batch_nums = list(trace_batch_nums or [])
+        self.abort_after_batch_num = abort_after_batch_num
+        self._engine = _HFEngine(self, model, max_frames=max_frames_to_save)
+
+    @property
+    def batch_number(self) -> int:
+        """Batches finished so far (transformers' counter)."""
+        return self._engine.step_index
+
+    def remove(self) -> None:
+        """Remove every hook (transformers' class cannot be removed)."""
+        self._engine.close()
+
+    def __enter__(self) -> DebugUnderflowOverflow:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+class _HFEngine(NumericsMonitor):
+    """The monitor with transformers' step boundary (root forward) and transformers' printing."""
+
+    def __init__(self, owner: DebugUnderflowOverflow, model: nn.Module, max_frames: int) -> None:
+        self._owner = owner
+        super().__init__(model, grads="none", max_frames=max_frames, _hf=True)
+
+    def _tag(self, text: str) -> str:
+        if self.rank is None:
+            return text
+        return "\n".join(f"[rank{self.rank}] {line}" for line in text.split("\n"))
+
+    def _print(self, text: str) -> None:
+        print(self._tag(text))
+
+    def _overflow_messages(self, frame: ResolvedFrame) -> None:
+        """transformers prints "<slot> has nans/infs" while it measures a frame (before printing it).
+
+        An abs max of nan cannot tell whether the tensor also held an inf, so a tensor with both
+        prints only "has nans" here (transformers would print both lines).
+        """
+        for line in frame.lines:
+            if not line.finite:
+                self._print(f"{line.label} has {'nans' if math.isnan(line.abs_max) else 'infs'}")
+
+    def _hf_frame(self, frame: ResolvedFrame) -> str:
+        lines = format_frame(frame, phase=False)
+        if frame.first_of_step:
+            start = f"\n\n{PREFIX} *** Starting batch number={frame.step} ***\n{hf_header()}"
+            lines.insert(0, start)
+        return "\n".join(lines)
+
+    def _close_step(self, source: str, abort_check: bool = True) -> None:
+        owner = self._owner
+        batch = self.step_index
+        if not self._frames:
+            return
+        if batch in owner.trace_batch_nums:
+            # transformers prints each frame as it completes; detection is off in a traced batch
+            for frame in self._resolved([self._current()]):
+                self._overflow_messages(frame)
+                self._print(self._hf_frame(frame))
+            self._history.clear()  # transformers starts its frame buffer afresh after a traced batch
+            self._rotate_step_only()
+        else:
+            flag = self._buffer.finite_flags()
+            ok = bool(torch.stack(flag).all().item()) if flag else True  # the one host sync
+            if not ok:
+                self._dump_and_raise(batch)
+            self._rotate()
+        if owner.abort_after_batch_num is not None and self.step_index > owner.abort_after_batch_num:
+            raise ValueError(
+                f"DebugUnderflowOverflow: aborting after {self.step_index} batches due to"
+                f" `abort_after_batch_num={owner.abort_after_batch_num}` arg"
+            )
+
+    def _current(self):
+        from .numerics.monitor import _Step
+
+        return _Step(self._frames, self._buffer)
+
+    def _rotate_step_only(self) -> None:
+        self.step_index += 1
+        self._new_step()
+
+    def _dump_and_raise(self, batch: int) -> None:
+        frames = self._resolved([*self._history, self._current()])
+        report = build_report(frames, self.max_frames, self.rank)
+        assert report is not None and report.first is not None
+        index = frames.index(report.frames[-1])
+        shown = list(deque(frames[: index + 1], maxlen=self.max_frames))
+        # transformers counts the batch when the root module's hook runs, before it checks the frame
+        number = batch + 1 if index == len(frames) - 1 else batch
+        self._overflow_messages(frames[index])
+        self._print(f"\nDetected inf/nan during batch_number={number}")
+        self._print(f"Last {len(shown)} forward frames:")
+        self._print(hf_header())
+        self._print("\n".join(self._hf_frame(f) for f in shown))
+        self._print("\n\n")
+        self._print(f"torchdoctor diagnosis: {report.diagnosis}" + (f"\ntorchdoctor fix: {report.fix}" if report.fix else ""))
+        self._active = False
+        self.report = report
+        raise ValueError(_DETECTED)

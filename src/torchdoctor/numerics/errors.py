@@ -1,0 +1,28 @@
+"""Exceptions raised by the numerics monitor."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .report import FirstNonFinite, NonFiniteReport
+
+
+class NonFiniteError(ValueError):
+    """An inf/nan was found; raised before ``optimizer.step()`` changes anything.
+
+    Attributes:
+        report (str): the text report (also written to ``report_dir``).
+        first (FirstNonFinite | None): step, phase, module, class and slot of the first non-finite value.
+        details (NonFiniteReport): the structured report.
+    """
+
+    def __init__(self, report: NonFiniteReport) -> None:
+        self.details = report
+        self.report: str = report.text()
+        self.first: FirstNonFinite | None = report.first
+        super().__init__("torchdoctor: non-finite value detected\n" + self.report)
+
+
+class AbortAfterStep(RuntimeError):
+    """Raised once the step given as ``abort_after_step`` has finished (a clean, asked-for stop)."""

@@ -1,0 +1,163 @@
+"""Frames: what the monitor saw, in execution order, without the numbers.
+
+A *frame* is one module call in one phase (``fwd``, ``bwd``) or one ``mark``: the module's qualified
+name and class plus its *slots* (``weight``, ``input[0]``, ``output``, ``grad_output[0]``,
+``grad:weight``). During a step only the host-side description is kept here; the numbers stay on the
+device in a :class:`~torchdoctor.numerics.stats.StatBuffer` and are joined with the frames only when a
+report or a trace is built (:mod:`torchdoctor.numerics.render`).
+
+Parameters and parameter gradients do not change between the forward and ``optimizer.step()``, so
+their slots are not measured during the step: :func:`resolve` measures them when a report is built.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .stats import StatBuffer, StatRef, abs_min_max, lookup, skip_reason
+
+FWD, BWD, MARK = "fwd", "bwd", "mark"
+
+
+@dataclass(slots=True, eq=False)
+class ModuleInfo:
+    """Static facts about one monitored module (one per module, not per call)."""
+
+    name: str
+    cls: str
+    module: weakref.ref
+    is_root: bool = False
+
+
+@dataclass(slots=True)
+class Slot:
+    """One labelled value of a frame. ``ref`` is set when the value was measured on device;
+    otherwise ``kind`` says what the value was (``None``, ``not a tensor``, ``empty``, ``meta``...)."""
+
+    label: str
+    ref: StatRef | None = None
+    kind: str | None = None
+    dtype: torch.dtype | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Frame:
+    """One module call in one phase. ``with_params``/``with_param_grads`` ask :func:`resolve` to add
+    the module's direct parameters (or their gradients) when the report is built."""
+
+    step: int
+    phase: str
+    info: ModuleInfo
+    slots: list[Slot]
+    with_params: bool = False
+    with_param_grads: bool = False
+    first_of_step: bool = False
+
+
+@dataclass(slots=True)
+class Line:
+    """A slot with its numbers: what a report prints."""
+
+    label: str
+    abs_min: float | None = None
+    abs_max: float | None = None
+    kind: str | None = None
+    dtype: torch.dtype | None = None
+    param: bool = False  # a direct parameter of the module (its value, not its gradient)
+
+    @property
+    def finite(self) -> bool:
+        return self.abs_max is None or math.isfinite(self.abs_max)
+
+
+@dataclass(slots=True)
+class ResolvedFrame:
+    step: int
+    phase: str
+    name: str
+    cls: str
+    lines: list[Line] = field(default_factory=list)
+    first_of_step: bool = False
+
+    @property
+    def finite(self) -> bool:
+        return all(line.finite for line in self.lines)
+
+    def first_bad_line(self) -> Line | None:
+        return next((line for line in self.lines if not line.finite), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "phase": self.phase,
+            "module": self.name,
+            "class": self.cls,
+            "slots": [
+                {
+                    "slot": line.label,
+                    "abs_min": _json_float(line.abs_min),
+                    "abs_max": _json_float(line.abs_max),
+                    "kind": line.kind,
+                    "dtype": str(line.dtype).removeprefix("torch.") if line.dtype is not None else None,
+                }
+                for line in self.lines
+            ],
+        }
+
+
+def _json_float(v: float | None) -> float | str | None:
+    if v is None or math.isfinite(v):
+        return v
+    return str(v)  # "inf", "-inf", "nan": JSON has no literals for them
+
+
+def measure(buffer: StatBuffer, label: str, value: Any) -> Slot:
+    """Describe ``value`` as a slot, putting its statistics in ``buffer`` when it is a tensor."""
+    if isinstance(value, torch.Tensor):
+        reason = skip_reason(value)
+        if reason is not None:
+            return Slot(label, kind=reason, dtype=value.dtype)
+        return Slot(label, ref=buffer.add(value), dtype=value.dtype)
+    if value is None:
+        return Slot(label, kind="None")
+    return Slot(label, kind=value if isinstance(value, str) else "not a tensor")
+
+
+def measure_now(label: str, t: torch.Tensor | None, param: bool = False) -> Line:
+    """Host-side statistics of a tensor that still exists (parameters, gradients): report path only."""
+    if t is None:
+        return Line(label, kind="None")
+    reason = skip_reason(t)
+    if reason is not None:
+        return Line(label, kind=reason, dtype=t.dtype, param=param)
+    mn, mx = abs_min_max(t)
+    pair = torch.stack([mn.double(), mx.double()]).cpu().tolist()
+    return Line(label, pair[0], pair[1], dtype=t.dtype, param=param)
+
+
+def resolve(frames: list[Frame], values: dict) -> list[ResolvedFrame]:
+    """Join frames with host-read statistics; measure parameters and their gradients now."""
+    out: list[ResolvedFrame] = []
+    for f in frames:
+        rf = ResolvedFrame(f.step, f.phase, f.info.name, f.info.cls, first_of_step=f.first_of_step)
+        module = f.info.module()
+        if f.with_params and module is not None:
+            for pname, p in module.named_parameters(recurse=False):
+                rf.lines.append(measure_now(pname, p, param=True))
+        for s in f.slots:
+            if s.ref is not None:
+                mn, mx = lookup(values, s.ref)
+                rf.lines.append(Line(s.label, mn, mx, dtype=s.dtype))
+            else:
+                rf.lines.append(Line(s.label, kind=s.kind, dtype=s.dtype))
+        if f.with_param_grads and module is not None:
+            for pname, p in module.named_parameters(recurse=False):
+                if p.requires_grad:
+                    rf.lines.append(measure_now(f"grad:{pname}", p.grad))
+        out.append(rf)
+    return out

@@ -1,0 +1,564 @@
+"""NumericsMonitor: the first inf/nan in forward and backward, at one host sync per step.
+
+Example usage::
+
+    from torchdoctor import NumericsMonitor, NonFiniteError
+
+    with NumericsMonitor(model, optimizer=opt) as mon:
+        for batch in loader:
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()        # the step is checked here, before the update is applied
+            opt.zero_grad()
+
+How it stays cheap: every module's forward hook reduces its inputs and outputs to (abs min, abs max)
+on their own device (:mod:`.stats`) and keeps only a host-side description of the call
+(:mod:`.frames`). A tensor that was just measured as one module's output and comes in as the next
+module's input is measured once. Parameters and their gradients do not change before
+``optimizer.step()``, so they are measured only when a report is built; the parameter gradients are
+checked once per step with one fused ``_foreach_norm``. At the step boundary everything is folded
+into a single on-device flag read with one ``.item()``.
+
+Step boundaries, in order of preference: an optimizer step pre-hook (``optimizer=``; a non-finite
+update is never applied), ``scaler.update()`` of a loss scaler passed as ``scaler=`` (a step the
+scaler skipped), an explicit :meth:`NumericsMonitor.step`, or else the end of each forward of the root
+module. Steps are numbered from 0, like transformers' batch numbers.
+
+Known limitations:
+  - A loss scaler that is not passed as ``scaler=`` is recognised by its effect: a new forward starts
+    after a backward while every gradient is None (``zero_grad()`` without an optimizer step). With
+    ``zero_grad(set_to_none=False)`` such skipped steps are merged into the next step.
+  - Parameters shown in frames of an earlier step are measured as they are now.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import sys
+import weakref
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import torch
+from torch import nn
+
+from .errors import AbortAfterStep, NonFiniteError
+from .frames import BWD, FWD, MARK, Frame, ModuleInfo, ResolvedFrame, Slot, measure, measure_now, resolve
+from .render import format_frame, hf_header
+from .report import NonFiniteReport, build_report
+from .slots import input_slots, output_slots
+from .stats import StatBuffer, all_finite
+
+log = logging.getLogger("torchdoctor.numerics")
+
+GRAD_LEVELS = ("none", "params", "modules")
+
+# Every monitored module, whichever monitor watches it: attaching twice would double every hook.
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, NumericsMonitor] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class OverflowEvent:
+    """A step whose gradients overflowed and that a loss scaler skipped (the scaler's normal signal)."""
+
+    step: int
+    scale: float | None
+    module: str | None
+    slot: str | None
+
+
+@dataclass
+class _Step:
+    """What one step recorded: host-side frames plus their on-device statistics."""
+
+    frames: list[Frame]
+    buffer: StatBuffer
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module whose forward does the work under DDP / DataParallel wrappers."""
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    while isinstance(model, wrappers):
+        model = model.module
+    return model
+
+
+def _dist_rank_world() -> tuple[int | None, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return None, 1
+
+
+class NumericsMonitor:
+    """Watch a model for inf/nan in weights, activations and gradients; explain the first one.
+
+    Args:
+        model (nn.Module): the model (DDP / DataParallel wrappers are looked through).
+        optimizer (torch.optim.Optimizer, optional): checked in a step pre-hook, so a step with a
+            non-finite value raises before any parameter or optimizer state changes.
+        grads (str): ``"params"`` (default) checks every parameter gradient once per step in a fused
+            pass; ``"modules"`` also measures the gradient at every module output, which names the
+            module where a backward blow-up starts; ``"none"`` watches the forward only.
+        scaler (optional): a loss scaler (``torch.amp.GradScaler`` or anything with ``get_scale()``
+            and ``update()``). Its overflows are recorded in :attr:`overflows`, not raised, unless the
+            scale falls below ``min_loss_scale`` or ``max_consecutive_overflows`` steps overflow in a row.
+        max_frames (int): frames shown before the first bad one. Defaults to 21.
+        trace_steps (Iterable[int], optional): steps whose every frame is printed and written to
+            ``torchdoctor-trace-rank<r>.jsonl``.
+        abort_after_step (int, optional): raise :class:`AbortAfterStep` once step N has finished.
+        report_dir (str): where ``torchdoctor-nonfinite-rank<r>.txt`` / ``.json`` are written.
+        auto_localize (bool): after a gradient overflow seen at ``"params"`` level, switch to
+            ``"modules"`` so the next one is localized. Defaults to True.
+        sync_ranks (bool, optional): under torch.distributed, share the step's verdict with one tiny
+            all_reduce so that every rank stops together (default: when initialized with >1 rank).
+        stream (TextIO, optional): where traces are printed. Defaults to sys.stdout.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        grads: str = "params",
+        scaler: Any = None,
+        max_frames: int = 21,
+        trace_steps: Iterable[int] | None = None,
+        abort_after_step: int | None = None,
+        report_dir: str | os.PathLike = ".",
+        auto_localize: bool = True,
+        min_loss_scale: float = 1.0,
+        max_consecutive_overflows: int = 30,
+        sync_ranks: bool | None = None,
+        stream: TextIO | None = None,
+        _hf: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"NumericsMonitor needs an nn.Module, got {type(model).__name__}")
+        if grads not in GRAD_LEVELS:
+            raise ValueError(f"grads={grads!r} is not one of {', '.join(map(repr, GRAD_LEVELS))}")
+        if max_frames < 0:
+            raise ValueError(f"max_frames must be >= 0, got {max_frames}")
+        if optimizer is not None and not hasattr(optimizer, "register_step_pre_hook"):
+            raise TypeError(
+                f"optimizer={type(optimizer).__name__} has no register_step_pre_hook(); pass a "
+                "torch.optim.Optimizer, or leave optimizer out and call mon.step() once per step"
+            )
+        if scaler is not None and not callable(getattr(scaler, "update", None)):
+            raise TypeError(f"scaler={type(scaler).__name__} has no update() method")
+        self.model = _unwrap(model)
+        self.optimizer = optimizer
+        self.grads = grads
+        self.scaler = scaler
+        self.max_frames = max_frames
+        self.trace_steps = frozenset(int(s) for s in (trace_steps or ()))
+        self.abort_after_step = abort_after_step
+        self.report_dir = report_dir
+        self.auto_localize = auto_localize
+        self.min_loss_scale = min_loss_scale
+        self.max_consecutive_overflows = max_consecutive_overflows
+        self.stream = stream
+        self._hf = _hf
+        rank, world = _dist_rank_world()
+        self.rank = rank if world > 1 else None
+        self._world = world
+        self._sync_ranks = (world > 1) if sync_ranks is None else (sync_ranks and world > 1)
+
+        self.step_index = 0
+        self.overflows: list[OverflowEvent] = []
+        self.report: NonFiniteReport | None = None
+        self._consecutive_overflows = 0
+        self._manual = False
+        self._optimizer_stepped = False
+        self._backward_ran = False
+        self._trace_file: TextIO | None = None
+        self._history: deque[_Step] = deque()
+        self._handles: list[Any] = []
+        self._restore: list[tuple[Any, str, Any]] = []
+        self._active = False
+        self._new_step()
+        self._attach()
+
+    # ------------------------------------------------------------------ lifecycle
+    def _attach(self) -> None:
+        modules = list(self.model.named_modules())
+        taken = [name or "<root>" for name, m in modules if m in _WATCHED]
+        if taken:
+            raise RuntimeError(
+                f"{len(taken)} module(s) of this model are already watched by another monitor "
+                f"(e.g. {', '.join(taken[:3])}); close() it first -- hooks are never doubled"
+            )
+        self._infos: dict[int, ModuleInfo] = {}
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        for name, module in modules:
+            info = ModuleInfo(name, type(module).__name__, weakref.ref(module), is_root=module is self.model)
+            self._infos[id(module)] = info
+            _WATCHED[module] = self
+            self._handles.append(
+                module.register_forward_hook(functools.partial(self._on_forward, info), with_kwargs=True)
+            )
+        self._handles.append(self.model.register_forward_pre_hook(self._on_root_pre_forward))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(self._on_optimizer_pre_step))
+            self._handles.append(self.optimizer.register_step_post_hook(self._on_optimizer_post_step))
+        if self.scaler is not None:
+            original = self.scaler.update
+            self._restore.append((self.scaler, "update", self.scaler.__dict__.get("update")))
+
+            @functools.wraps(original)
+            def update(*args: Any, **kwargs: Any) -> Any:
+                self._on_scaler_update()
+                return original(*args, **kwargs)
+
+            self.scaler.update = update
+        self._active = True
+        self._check_weights_once()
+
+    def close(self) -> None:
+        """Remove every hook (safe to call twice) and close the trace file."""
+        self._active = False
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for obj, attr, old in self._restore:
+            if old is None:
+                obj.__dict__.pop(attr, None)
+            else:
+                setattr(obj, attr, old)
+        self._restore = []
+        for module in list(_WATCHED.keys()):
+            if _WATCHED.get(module) is self:
+                del _WATCHED[module]
+        if self._trace_file is not None:
+            self._trace_file.close()
+            self._trace_file = None
+
+    remove = close
+
+    def __enter__(self) -> NumericsMonitor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        if getattr(self, "_active", False):
+            self.close()
+
+    # ------------------------------------------------------------------ recording
+    def _new_step(self) -> None:
+        self._frames: list[Frame] = []
+        self._buffer = StatBuffer()
+        self._seen: dict[int, tuple[weakref.ref, int, Slot]] = {}
+        self._grad_targets: dict[int, tuple[weakref.ref, list]] = {}
+        self._backward_ran = False
+        self._optimizer_stepped = False
+
+    def _slot(self, label: str, value: Any) -> Slot:
+        if isinstance(value, torch.Tensor):
+            key = id(value)
+            seen = self._seen.get(key)
+            if seen is not None and seen[0]() is value and seen[1] == value._version:
+                s = seen[2]
+                return Slot(label, s.ref, s.kind, s.dtype)
+            slot = measure(self._buffer, label, value)
+            self._seen[key] = (weakref.ref(value), value._version, slot)
+            return slot
+        return measure(self._buffer, label, value)
+
+    def _on_root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not self._active or torch._C._current_graph_task_id() != -1:
+            return
+        # A backward ran, yet every gradient is None again: the optimizer step was skipped (a loss
+        # scaler saw an overflow) and zero_grad() ran. Close that step now.
+        if self._backward_ran and not self._manual and self.optimizer is not None and self.scaler is None:
+            if all(p.grad is None for p in self._params):
+                self._close_step("skipped")
+
+    def _on_forward(self, info: ModuleInfo, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self._active:
+            return
+        if torch._C._current_graph_task_id() != -1:
+            # activation recomputation (gradient checkpointing) inside the backward: not a new frame
+            if self.grads == "modules" and torch.is_grad_enabled():
+                self._hook_grads(info, output)  # reentrant checkpointing builds its graph only here
+            return
+        slot = self._slot
+        slots = [slot(label, v) for label, v in input_slots(args, kwargs, self._hf)]
+        slots += [slot(label, v) for label, v in output_slots(output, self._hf)]
+        self._frames.append(
+            Frame(self.step_index, FWD, info, slots, with_params=True, first_of_step=not self._frames)
+        )
+        if torch.is_grad_enabled():
+            if self.grads == "modules":
+                self._hook_grads(info, output)
+            elif info.is_root:
+                self._hook_backward_seen(output)
+        if info.is_root:
+            self._on_root_forward_end()
+
+    def _on_root_forward_end(self) -> None:
+        if self.optimizer is None and not self._manual and self.scaler is None:
+            self._close_step("forward")
+
+    def _hook_backward_seen(self, output: Any) -> None:
+        """One cheap hook on the root output that notes that a backward ran (for skipped steps)."""
+        for _, v in output_slots(output):
+            if isinstance(v, torch.Tensor) and v.requires_grad:
+                v.register_hook(self._on_backward_seen)
+                return
+
+    def _on_backward_seen(self, grad: torch.Tensor) -> None:
+        self._backward_ran = True
+
+    def _hook_grads(self, info: ModuleInfo, output: Any) -> None:
+        for label, v in output_slots(output):
+            if not (isinstance(v, torch.Tensor) and v.requires_grad):
+                continue
+            key = id(v)
+            entry = self._grad_targets.get(key)
+            if entry is not None and entry[0]() is v:
+                entry[1].append((info, "grad_" + label))
+                continue
+            targets = [(info, "grad_" + label)]
+            self._grad_targets[key] = (weakref.ref(v), targets)
+            v.register_hook(functools.partial(self._on_grad, targets))
+
+    def _on_grad(self, targets: list, grad: torch.Tensor) -> None:
+        if not self._active:
+            return
+        self._backward_ran = True
+        measured = measure(self._buffer, targets[0][1], grad)
+        seen_modules = set()
+        for info, label in targets:
+            first_for_module = id(info) not in seen_modules
+            seen_modules.add(id(info))
+            self._frames.append(
+                Frame(
+                    self.step_index,
+                    BWD,
+                    info,
+                    [Slot(label, measured.ref, measured.kind, measured.dtype)],
+                    with_param_grads=first_for_module,
+                )
+            )
+
+    def mark(self, tensor: torch.Tensor, ctx: str) -> None:
+        """Add a frame for an intermediate value, in execution order, without a host sync."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"mark() needs a tensor, got {type(tensor).__name__}")
+        if not self._active:
+            return
+        info = ModuleInfo(ctx, "mark", weakref.ref(self.model))
+        self._frames.append(
+            Frame(self.step_index, MARK, info, [self._slot("value", tensor)], first_of_step=not self._frames)
+        )
+
+    # ------------------------------------------------------------------ step boundaries
+    def step(self) -> None:
+        """End a training step by hand (when no optimizer was given): check it, then start the next."""
+        self._manual = True
+        self._close_step("manual")
+
+    def _on_optimizer_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._active and not self._manual:
+            self._optimizer_stepped = True
+            self._close_step("optimizer", abort_check=False)
+
+    def _on_optimizer_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._active and not self._manual:
+            self._check_abort_after(self.step_index - 1)
+
+    def _on_scaler_update(self) -> None:
+        if not self._active:
+            return
+        if self._optimizer_stepped:  # the optimizer pre-hook already checked this step
+            self._optimizer_stepped = False
+            return
+        self._close_step("skipped")
+
+    def _param_grad_flags(self) -> list[torch.Tensor]:
+        grads = [p.grad for p in self._params if p.grad is not None and p.grad.layout is torch.strided]
+        if not grads:
+            return []
+        norms = torch._foreach_norm(grads, float("inf"))
+        by_key: dict[tuple, list[torch.Tensor]] = {}
+        for n in norms:
+            by_key.setdefault((n.device, n.dtype), []).append(n)
+        return [torch.isfinite(torch.stack(v)).all() for v in by_key.values()]
+
+    def _close_step(self, source: str, abort_check: bool = True) -> None:
+        """Check the finished step with one host read; raise or record what went wrong."""
+        if not self._frames and not self._backward_ran and source in ("forward", "skipped"):
+            return
+        flags = self._buffer.finite_flags()
+        check_grads = self.grads != "none" and source != "forward"
+        if check_grads:
+            flags += self._param_grad_flags()
+        ok_t = all_finite(flags)
+        bad_ranks: list[int] = []
+        if self._sync_ranks:
+            ok, bad_ranks = self._share_verdict(ok_t)
+        else:
+            ok = True if ok_t is None else bool(ok_t.item())  # THE host sync of this step
+        step = self.step_index
+        if step in self.trace_steps:
+            self._trace(step)
+        if not ok:
+            self._handle_nonfinite(step, source, bad_ranks, check_grads)
+        self._rotate()
+        if abort_check and source != "skipped":
+            self._check_abort_after(step)
+
+    def _share_verdict(self, ok_t: torch.Tensor | None) -> tuple[bool, list[int]]:
+        """All-reduce which ranks saw a non-finite value (one small collective, read once)."""
+        dist = torch.distributed
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        bad = torch.zeros(self._world, dtype=torch.int32, device=device)
+        if ok_t is not None:
+            bad[dist.get_rank()] = (~ok_t).to(device=device, dtype=torch.int32)
+        dist.all_reduce(bad)
+        bad_ranks = [i for i, b in enumerate(bad.cpu().tolist()) if b]
+        return not bad_ranks, bad_ranks
+
+    def _rotate(self) -> None:
+        """Keep recent steps (unread, on device) as context for a report, then start a new step."""
+        if self._frames:
+            self._history.append(_Step(self._frames, self._buffer))
+            kept = 0
+            for i in range(len(self._history) - 1, -1, -1):
+                kept += len(self._history[i].frames)
+                if kept > self.max_frames:
+                    for _ in range(i):
+                        self._history.popleft()
+                    break
+        self.step_index += 1
+        self._new_step()
+
+    def _check_abort_after(self, step: int) -> None:
+        if self.abort_after_step is not None and step >= self.abort_after_step:
+            self._active = False
+            raise AbortAfterStep(
+                f"torchdoctor: stopping after step {step} as asked (abort_after_step={self.abort_after_step})"
+            )
+
+    # ------------------------------------------------------------------ reading back
+    def _resolved(self, steps: list[_Step]) -> list[ResolvedFrame]:
+        out: list[ResolvedFrame] = []
+        for s in steps:
+            out.extend(resolve(s.frames, s.buffer.read()))
+        return out
+
+    def _param_grad_frames(self, step: int) -> list[ResolvedFrame]:
+        """Parameter gradients, module by module in backward order (reverse of the forward)."""
+        order: dict[str, ModuleInfo] = {}
+        for f in self._frames:
+            if f.phase == FWD:
+                order.setdefault(f.info.name, f.info)
+        infos = list(order.values())[::-1] or list(self._infos.values())[::-1]
+        out = []
+        for info in infos:
+            module = info.module()
+            if module is None:
+                continue
+            lines = [
+                measure_now(f"grad:{n}", p.grad)
+                for n, p in module.named_parameters(recurse=False)
+                if p.requires_grad and p.grad is not None
+            ]
+            if lines:
+                out.append(ResolvedFrame(step, BWD, info.name, info.cls, lines))
+        return out
+
+    def _handle_nonfinite(self, step: int, source: str, bad_ranks: list[int], check_grads: bool) -> None:
+        history = list(self._history)
+        frames = self._resolved([*history, _Step(self._frames, self._buffer)])
+        current = [f for f in frames if f.step == step]
+        if check_grads and all(f.finite for f in current):
+            frames += self._param_grad_frames(step)
+        report = build_report(frames, self.max_frames, self.rank)
+        if report is None:
+            # only another rank saw the non-finite value
+            report = NonFiniteReport(step, None, [], "another rank found non-finite values", rank=self.rank)
+        report.bad_ranks = bad_ranks
+        only_backward = report.first is not None and report.first.phase == BWD
+        if only_backward and source == "skipped":
+            self._record_overflow(step, report)
+            return
+        if self.grads == "params" and only_backward:
+            report.notes.append(
+                "To see where the backward blow-up starts, run with NumericsMonitor(..., grads='modules')."
+            )
+        self._raise(report)
+
+    def _record_overflow(self, step: int, report: NonFiniteReport) -> None:
+        scale = None
+        if self.scaler is not None and callable(getattr(self.scaler, "get_scale", None)):
+            scale = float(self.scaler.get_scale())
+        first = report.first
+        event = OverflowEvent(step, scale, first.module if first else None, first.slot if first else None)
+        self.overflows.append(event)
+        self._consecutive_overflows += 1
+        where = f" starting in {event.module} ({event.slot})" if event.module else ""
+        log.info("gradient overflow at step %d (loss scale %s)%s: step skipped", step, scale, where)
+        if self.grads == "params" and self.auto_localize:
+            self.grads = "modules"
+            log.info("switching to grads='modules' to localize the next gradient overflow")
+        collapsed = scale is not None and scale < self.min_loss_scale
+        if collapsed or self._consecutive_overflows >= self.max_consecutive_overflows:
+            why = (
+                f"the loss scale collapsed to {scale:g} (< {self.min_loss_scale:g})"
+                if collapsed
+                else f"{self._consecutive_overflows} steps in a row overflowed"
+            )
+            report.diagnosis = (
+                f"{why}: the gradients overflow at every scale, so this is not a transient spike. "
+                + report.diagnosis
+            )
+            report.fix = report.fix or "train in bf16, or keep the module named above in fp32"
+            self._raise(report)
+
+    def _raise(self, report: NonFiniteReport) -> None:
+        self.report = report
+        report.write(self.report_dir)
+        self._active = False  # the run is over; hooks stay until close()
+        raise NonFiniteError(report)
+
+    def _trace(self, step: int) -> None:
+        frames = self._resolved([_Step(self._frames, self._buffer)])
+        out = self.stream or sys.stdout
+        tag = f"[rank{self.rank}] " if self.rank is not None else ""
+        out.write(f"{tag}{' ' * 17} *** Starting step={step} ***\n{tag}{hf_header()}\n")
+        if self._trace_file is None:
+            os.makedirs(self.report_dir, exist_ok=True)
+            path = os.path.join(os.fspath(self.report_dir), f"torchdoctor-trace-rank{self.rank or 0}.jsonl")
+            self._trace_file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across steps
+        import json
+
+        for f in frames:
+            out.write("".join(f"{tag}{line}\n" for line in format_frame(f, phase=True)))
+            self._trace_file.write(json.dumps(f.to_json()) + "\n")
+        self._trace_file.flush()
+        out.flush()
+
+    def _check_weights_once(self) -> None:
+        """At attach time: a weight that is already non-finite is named at once (one sync, once)."""
+        params = [p for p in self.model.parameters() if p.layout is torch.strided and p.numel()]
+        if not params:
+            return
+        floats = [p.detach() for p in params if p.dtype.is_floating_point]
+        if not floats:
+            return
+        flags = [torch.isfinite(n).all() for n in torch._foreach_norm(floats, float("inf"))]
+        if bool(torch.stack([f.cpu() for f in flags]).all()):
+            return
+        for name, p in self.model.named_parameters():
+            if p.dtype.is_floating_point and p.numel() and not math.isfinite(measure_now(name, p).abs_max):
+                raise ValueError(
+                    f"parameter {name} of the model is already non-finite before training: check the "
+                    "checkpoint or the initialisation"
+                )

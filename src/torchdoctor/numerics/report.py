@@ -1,0 +1,220 @@
+"""The report built when a non-finite value is found: where it started, the frames before it, why.
+
+The report is data first (:class:`NonFiniteReport`, :meth:`NonFiniteReport.to_json`) and text second
+(:meth:`NonFiniteReport.text`). The diagnosis is a small set of rules over the resolved frames:
+
+- a non-finite *weight*: the parameters were already broken (a bad checkpoint or an earlier update);
+- a non-finite model *input*: the data is broken;
+- a value that sat within 2x of its dtype's maximum in the frames just before an inf: an overflow of a
+  low-precision dtype; keep the region that holds both modules in fp32 (:func:`torchdoctor.keep_fp32`);
+- a nan without an inf before it: an invalid operation (0/0, inf-inf, log or sqrt of a negative);
+- a first non-finite value in the backward only: a gradient overflow (use a loss scaler or bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .frames import BWD, Line, ResolvedFrame
+from .render import format_frames
+
+# "within 2x of the dtype's maximum" -- the guide's example: 6.27e4 against fp16's 6.55e4.
+HEADROOM_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class FirstNonFinite:
+    """Where the first non-finite value appeared."""
+
+    step: int
+    phase: str
+    module: str
+    cls: str
+    slot: str
+    value: str  # "inf" or "nan"
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("step", "phase", "module", "cls", "slot", "value")}
+
+
+@dataclass
+class NonFiniteReport:
+    step: int
+    first: FirstNonFinite | None
+    frames: list[ResolvedFrame]
+    diagnosis: str
+    fix: str | None = None
+    rank: int | None = None
+    bad_ranks: list[int] = field(default_factory=list)
+    marker: Line | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        tag = f"[rank{self.rank}] " if self.rank is not None else ""
+        out = []
+        if self.first is not None:
+            f = self.first
+            out.append(
+                f"Detected {f.value} at step {f.step} ({'backward' if f.phase == BWD else 'forward'}) "
+                f"in {f.module} ({f.cls}), slot {f.slot}"
+            )
+            out.append(f"Last {len(self.frames)} frames, in execution order:")
+            out.extend(format_frames(self.frames, self.marker))
+        elif self.bad_ranks:
+            out.append(f"Stopped at step {self.step}: rank(s) {self.bad_ranks} found non-finite values;")
+            out.append("this rank's values were finite. See the report file of the rank(s) named.")
+        out.append(f"Diagnosis: {self.diagnosis}")
+        if self.fix:
+            out.append(f"Fix: {self.fix}")
+        out.extend(self.notes)
+        return "\n".join(tag + line for line in out)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "rank": self.rank,
+            "bad_ranks": self.bad_ranks,
+            "first": self.first.to_json() if self.first else None,
+            "diagnosis": self.diagnosis,
+            "fix": self.fix,
+            "notes": self.notes,
+            "frames": [f.to_json() for f in self.frames],
+        }
+
+    def write(self, report_dir: str | os.PathLike, basename: str = "torchdoctor-nonfinite") -> list[str]:
+        """Write ``<basename>-rank<r>.txt`` and ``.json`` and flush them to disk; return the paths."""
+        os.makedirs(report_dir, exist_ok=True)
+        stem = os.path.join(os.fspath(report_dir), f"{basename}-rank{self.rank or 0}")
+        paths = []
+        for path, content in ((stem + ".txt", self.text() + "\n"), (stem + ".json", json.dumps(self.to_json(), indent=1))):
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(content)
+                fh.flush()
+                os.fsync(fh.fileno())
+            paths.append(path)
+        return paths
+
+
+def find_first_bad(frames: list[ResolvedFrame]) -> tuple[int, Line] | None:
+    """The first non-finite line in execution order.
+
+    Parameter gradients (``grad:weight``) are measured when the report is built, so they hold the
+    whole backward's sum (a tied weight collects gradients from later modules too): they count only
+    when no value measured at its own time is non-finite.
+    """
+    for timely in (True, False):
+        for i, f in enumerate(frames):
+            for line in f.lines:
+                if not line.finite and not (timely and line.label.startswith("grad:")):
+                    return i, line
+    return None
+
+
+def _dtype_max(dtype: torch.dtype | None) -> float | None:
+    if dtype is None or not (dtype.is_floating_point or dtype.is_complex):
+        return None
+    if dtype.is_complex:
+        dtype = torch.float32 if dtype == torch.complex64 else torch.float64
+    return float(torch.finfo(dtype).max)
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def common_region(a: str, b: str) -> str:
+    """The innermost module that contains both qualified names ('' is the root)."""
+    pa, pb = a.split("."), b.split(".")
+    common = []
+    for x, y in zip(pa, pb):
+        if x != y:
+            break
+        common.append(x)
+    return ".".join(common)
+
+
+def _near_max(frames: list[ResolvedFrame], upto: int) -> tuple[ResolvedFrame, Line, float] | None:
+    """The largest finite value relative to its dtype's max in frames[:upto+1] (forward only)."""
+    best = None
+    for f in frames[: upto + 1]:
+        if f.phase == BWD:
+            continue
+        for line in f.lines:
+            top = _dtype_max(line.dtype)
+            if top is None or line.abs_max is None or not math.isfinite(line.abs_max):
+                continue
+            ratio = line.abs_max / top
+            if best is None or ratio > best[2]:
+                best = (f, line, ratio)
+    return best
+
+
+def diagnose(frames: list[ResolvedFrame], index: int, line: Line, model_var: str = "model") -> tuple[str, str | None]:
+    """(diagnosis, fix) for the first non-finite ``line`` of ``frames[index]``."""
+    frame = frames[index]
+    what = "nan" if math.isnan(line.abs_max) else "inf"
+    if frame.phase == BWD:
+        if line.label.startswith("grad:"):
+            where = f"the gradient of {frame.name}.{line.label[5:]}"
+        else:
+            where = f"the gradient flowing into {frame.name} ({frame.cls}) from its {line.label[5:] or 'output'}"
+        return (
+            f"the forward was finite; {where} became {what} in the backward. In fp16 this is a gradient "
+            f"overflow: scale the loss (torch.amp.GradScaler, DeepSpeed dynamic loss scaling) or train in bf16; "
+            f"if it persists, keep {frame.name or 'the module'} in fp32.",
+            f"torchdoctor.keep_fp32({model_var}, {frame.name!r})" if frame.name else None,
+        )
+    if line.param:
+        return (
+            f"the weight {frame.name}.{line.label} is already {what} before this forward: it was loaded "
+            f"that way or an earlier optimizer update wrote it. Check the checkpoint; let torchdoctor "
+            f"watch gradients (grads='params') so a non-finite update is stopped before it is applied.",
+            None,
+        )
+    if line.label.startswith("input") and index == 0 and frame.name in ("", frames[0].name):
+        return (f"the input {line.label} given to {frame.name or 'the model'} is already {what}: check the data.", None)
+    near = _near_max(frames, index)
+    if what == "inf" and near is not None and near[2] >= 1 / HEADROOM_FACTOR:
+        nf, nl, ratio = near
+        top = _dtype_max(nl.dtype)
+        region = common_region(nf.name, frame.name)
+        fix_target = region or nf.name
+        return (
+            f"{nf.name} ({nf.cls}) {nl.label} reached {nl.abs_max:.2e}, within {1 / ratio:.2f}x of "
+            f"{_dtype_name(nl.dtype)}'s max {top:.2e}, and {frame.name} ({frame.cls}) then overflowed to inf. "
+            f"Keep {fix_target or 'that region'} in fp32 (autocast off, inputs upcast), or train in bf16.",
+            f"torchdoctor.keep_fp32({model_var}, {fix_target!r})",
+        )
+    if what == "nan":
+        return (
+            f"{frame.name} ({frame.cls}) produced nan from finite inputs: an invalid operation (0/0, inf-inf, "
+            f"log or sqrt of a negative number, a softmax over a fully masked row) inside its forward.",
+            None,
+        )
+    dtype = line.dtype
+    return (
+        f"{frame.name} ({frame.cls}) {line.label} overflowed to inf in {_dtype_name(dtype)} with no value near "
+        f"the limit in the frames shown: a single large product. Keep {frame.name} in fp32 or train in bf16.",
+        f"torchdoctor.keep_fp32({model_var}, {frame.name!r})" if frame.name else None,
+    )
+
+
+def build_report(frames: list[ResolvedFrame], max_frames: int, rank: int | None) -> NonFiniteReport | None:
+    """The report for the first non-finite value in ``frames`` (None when all are finite)."""
+    found = find_first_bad(frames)
+    if found is None:
+        return None
+    index, line = found
+    frame = frames[index]
+    diagnosis, fix = diagnose(frames, index, line)
+    first = FirstNonFinite(
+        frame.step, frame.phase, frame.name, frame.cls, line.label, "nan" if math.isnan(line.abs_max) else "inf"
+    )
+    shown = frames[max(0, index - max_frames) : index + 1]
+    return NonFiniteReport(frame.step, first, shown, diagnosis, fix, rank=rank, marker=line)

@@ -1,0 +1,78 @@
+"""Name every value a module receives or returns: the *slots* of a frame.
+
+A module's forward gets positional and keyword arguments and returns anything: a tensor, a tuple or
+list, a dict, a dataclass or a transformers ``ModelOutput``, nested. This module walks such values
+and yields ``(label, value)`` pairs for the leaves, with labels in the transformers layout:
+``input[0]``, ``input[attention_mask]``, ``output``, ``output[0]``, ``output[0][1]``,
+``output[loss]``.
+
+``hf_compat=True`` reproduces exactly the lines transformers' ``DebugUnderflowOverflow`` prints
+(it expands only the positional-input tuple, an output tuple and a tuple inside it, and prints
+``not a tensor`` for anything else) and adds our extra lines (keyword inputs, contents of dicts,
+lists, dataclasses) right after the line transformers would print.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+NOT_A_TENSOR = "not a tensor"
+
+# Containers deeper than this are labelled "not a tensor" instead of being walked.
+_MAX_DEPTH = 4
+
+
+def _children(value: Any) -> list[tuple[str, Any]] | None:
+    """Named children of a container, or None when ``value`` is a leaf."""
+    if isinstance(value, (tuple, list)):
+        return [(str(i), v) for i, v in enumerate(value)]
+    if isinstance(value, Mapping):  # dict, OrderedDict, transformers ModelOutput
+        return [(str(k), v) for k, v in value.items()]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [(f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value)]
+    return None
+
+
+def _walk(value: Any, label: str, depth: int, hf_visible_depth: int, hf: bool) -> Iterator[tuple[str, Any]]:
+    """Yield leaves under ``value``.
+
+    ``hf_visible_depth`` is how many more tuple levels transformers itself would expand here; when a
+    container is one transformers would not expand, in compat mode we first yield its
+    "not a tensor" line (the line transformers prints) and then our expansion of it.
+    """
+    if isinstance(value, torch.Tensor) or value is None:
+        yield label, value
+        return
+    children = _children(value)
+    if children is None or depth >= _MAX_DEPTH:
+        yield label, NOT_A_TENSOR
+        return
+    hf_expands = isinstance(value, tuple) and hf_visible_depth > 0
+    if hf and not hf_expands:
+        yield label, NOT_A_TENSOR
+    for name, child in children:
+        # ModelOutput drops None fields from .items(); dataclass fields may be None: keep them labelled
+        yield from _walk(child, f"{label}[{name}]", depth + 1, hf_visible_depth - 1 if hf_expands else 0, hf)
+
+
+def input_slots(args: tuple, kwargs: Mapping[str, Any] | None, hf: bool = False) -> Iterator[tuple[str, Any]]:
+    """Slots of a forward call's arguments: ``input[i]`` then ``input[name]`` for keywords."""
+    for i, a in enumerate(args):
+        yield from _walk(a, f"input[{i}]", 1, 0, hf)
+    if kwargs:
+        for k, v in kwargs.items():
+            # keyword inputs are our addition: transformers never saw them, so never "not a tensor" first
+            yield from _walk(v, f"input[{k}]", 1, 0, False)
+
+
+def output_slots(output: Any, hf: bool = False) -> Iterator[tuple[str, Any]]:
+    """Slots of a forward's return value: ``output``, ``output[i]``, ``output[i][j]``, ``output[key]``."""
+    if isinstance(output, tuple):
+        for i, o in enumerate(output):
+            yield from _walk(o, f"output[{i}]", 1, 1, hf)
+    else:
+        yield from _walk(output, "output", 0, 0, hf)

@@ -1,0 +1,154 @@
+"""On-device statistics: abs min / abs max of a tensor, kept on the tensor's own device.
+
+Nothing here reads a value back to the host. The statistics of one training step are collected as
+0-d device tensors in a :class:`StatBuffer`; at the step boundary the buffer is stacked once per
+(device, dtype) and reduced to a single "all finite" flag, which the monitor reads with one
+``.item()``. Only when that flag is false (or a step is traced) are the values themselves read.
+
+Why ``aminmax(x.abs())``: measured on CPU (512x256 fp32) it takes ~18 us against ~175 us for
+``torch.linalg.vector_norm(x, inf)``, and it yields both statistics in one pass. A nan anywhere makes
+abs max nan and an inf makes it inf (``aminmax`` propagates nan), so abs max alone decides finiteness.
+The ``abs()`` temporary is bounded: tensors above ``CHUNK_ELEMENTS`` are reduced chunk by chunk, so
+the extra memory does not grow with the batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# 1M elements: the largest abs() temporary is 4 MiB for fp32, whatever the batch size.
+CHUNK_ELEMENTS = 1 << 20
+
+_FLOAT8 = tuple(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+
+
+def skip_reason(t: torch.Tensor) -> str | None:
+    """Why a tensor gets no statistics (a label for the report), or None when it gets them."""
+    if t.is_meta:
+        return "meta"
+    if t.layout is not torch.strided:
+        return "sparse" if t.is_sparse else "layout"
+    if t.is_quantized:
+        return "quantized"
+    if t.numel() == 0:
+        return "empty"
+    return None
+
+
+def _abs_of(x: torch.Tensor) -> torch.Tensor:
+    """|x| in a dtype that aminmax accepts, exact for every value x can hold."""
+    dtype = x.dtype
+    if dtype.is_floating_point:
+        if dtype in _FLOAT8:
+            return x.float().abs()
+        return x.abs()
+    if dtype.is_complex:
+        return x.abs()  # real magnitude
+    if dtype is torch.bool:
+        return x.to(torch.uint8)
+    # integers: widen first so that abs(INT_MIN) does not wrap around
+    return x.to(torch.float64).abs() if dtype is torch.int64 else x.to(torch.float32).abs()
+
+
+def abs_min_max(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(abs min, abs max) of a non-empty strided tensor as 0-d tensors on ``t``'s device.
+
+    No host synchronisation. Large tensors are reduced in chunks of ``CHUNK_ELEMENTS`` so that the
+    temporary stays small.
+    """
+    t = t.detach()
+    n = t.numel()
+    if n <= CHUNK_ELEMENTS:
+        return torch.aminmax(_abs_of(t))
+    flat = t.reshape(-1) if t.is_contiguous() else t.flatten()
+    mins, maxs = [], []
+    for start in range(0, n, CHUNK_ELEMENTS):
+        mn, mx = torch.aminmax(_abs_of(flat[start : start + CHUNK_ELEMENTS]))
+        mins.append(mn)
+        maxs.append(mx)
+    return torch.stack(mins).amin(), torch.stack(maxs).amax()
+
+
+@dataclass(frozen=True, slots=True)
+class StatRef:
+    """Where a tensor's (abs min, abs max) pair lives in a :class:`StatBuffer`."""
+
+    key: tuple[torch.device, torch.dtype]
+    index: int  # position of abs min; abs max is at index + 1
+
+
+class StatBuffer:
+    """The statistics of one step, on device, grouped by (device, dtype) so they can be stacked."""
+
+    __slots__ = ("_groups", "_stacked")
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        self._stacked: dict[tuple[torch.device, torch.dtype], torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._groups.values()) // 2
+
+    def add(self, t: torch.Tensor) -> StatRef:
+        """Reduce ``t`` on its device and keep the two 0-d results. ``t`` must not be skipped."""
+        mn, mx = abs_min_max(t)
+        key = (mx.device, mx.dtype)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = []
+        index = len(group)
+        group.append(mn)
+        group.append(mx)
+        return StatRef(key, index)
+
+    def add_pairs(self, mins_maxs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[StatRef]:
+        """Keep already-computed (min, max) pairs, e.g. from a fused pass over gradients."""
+        return [self._add_pair(mn, mx) for mn, mx in mins_maxs]
+
+    def _add_pair(self, mn: torch.Tensor, mx: torch.Tensor) -> StatRef:
+        key = (mx.device, mx.dtype)
+        group = self._groups.setdefault(key, [])
+        group.append(mn)
+        group.append(mx)
+        return StatRef(key, len(group) - 2)
+
+    def stacked(self) -> dict[tuple[torch.device, torch.dtype], torch.Tensor]:
+        """One device tensor per group (computed once; the buffer is frozen afterwards)."""
+        if self._stacked is None:
+            self._stacked = {key: torch.stack(vals) for key, vals in self._groups.items()}
+            self._groups = {}
+        return self._stacked
+
+    def finite_flags(self) -> list[torch.Tensor]:
+        """One 0-d bool tensor per group: are all statistics finite? Still no host sync."""
+        return [torch.isfinite(v).all() for v in self.stacked().values()]
+
+    def read(self) -> dict[tuple[torch.device, torch.dtype], list[float]]:
+        """Host copy of every statistic (the report path; syncs once per group)."""
+        return {key: v.detach().cpu().double().tolist() for key, v in self.stacked().items()}
+
+
+def all_finite(flags: list[torch.Tensor]) -> torch.Tensor | None:
+    """Fold per-group flags (possibly on several devices) into one tensor; None when empty."""
+    if not flags:
+        return None
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for f in flags:
+        by_device.setdefault(f.device, []).append(f)
+    folded = [torch.stack(fs).all() for fs in by_device.values()]
+    if len(folded) == 1:
+        return folded[0]
+    # model split over devices: gather the few flags on the first device (async copies)
+    first = folded[0].device
+    return torch.stack([f.to(first, non_blocking=True) for f in folded]).all()
+
+
+def lookup(values: dict[tuple[torch.device, torch.dtype], list[float]], ref: StatRef) -> tuple[float, float]:
+    group = values[ref.key]
+    return group[ref.index], group[ref.index + 1]

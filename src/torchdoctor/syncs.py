@@ -1,0 +1,50 @@
+"""Count host synchronisations made by torch code (used by tests and benchmarks).
+
+A host sync is any op that makes the CPU wait for a device value: on CUDA `.item()`, `bool(t)` and
+`if t:` dispatch to ``aten._local_scalar_dense`` or ``aten.is_nonzero``. On CPU the same ops run but
+do not wait; counting them there still tells how often code *would* sync on an accelerator, which is
+what the "one host sync per step" budget is about.
+
+Example::
+
+    with SyncCounter() as syncs:
+        train_step()
+    print(syncs.count)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_SYNC_OPS = ("_local_scalar_dense", "is_nonzero")
+
+
+class SyncCounter(TorchDispatchMode):
+    """A dispatch mode that counts ``aten._local_scalar_dense`` and ``aten.is_nonzero`` calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_op: Counter[str] = Counter()
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_op.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _SYNC_OPS:
+            self.by_op[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_syncs(fn, *args, **kwargs) -> tuple[int, object]:
+    """Run ``fn(*args, **kwargs)`` and return (number of host syncs, result)."""
+    with SyncCounter() as counter:
+        result = fn(*args, **kwargs)
+    return counter.count, result
+
+
+__all__ = ["SyncCounter", "count_syncs"]
