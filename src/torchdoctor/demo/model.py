@@ -11,11 +11,12 @@ follows it, and so on)::
         train_steps(model, batches, steps=5, precision="fp16")  # finite
 
 The overflow is put there on purpose: block 2's feed-forward is initialised with a few "outlier"
-hidden units (large ``wi_1`` columns and ``wo`` rows), which mimics a checkpoint pretrained in bf16
-whose activations grew past fp16's range (the reason mt5/T5 checkpoints overflow in fp16). Their
-size is calibrated at build time so that, on the first batch, the feed-forward output peaks just
-under fp16's 65504 -- finite, as in the guide's 6.27e4 -- and the following Dropout's 1/(1-p) rescale
-takes it past 65504 to inf. In fp32 (or bf16) the same values are unremarkable.
+hidden units (large ``wi_0``/``wi_1``/``wo`` weights reading a massive embedding channel), which
+mimics a checkpoint pretrained in bf16 whose activations grew past fp16's range (the reason mt5/T5
+checkpoints overflow in fp16). Their size is calibrated at build time so that, on the first batch,
+the feed-forward output peaks just under fp16's 65504 -- finite, as in the guide's 6.27e4 -- and
+the following Dropout's 1/(1-p) rescale takes it past 65504 to inf. In fp32 (or bf16) the same
+values are unremarkable.
 
 fp16 here means ``torch.autocast("cpu", dtype=torch.float16)`` with fp32 master weights and a
 GradScaler, i.e. the usual mixed-precision recipe (and the guide's): autocast runs Linear layers in
@@ -27,7 +28,6 @@ demo about activation overflow.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +41,7 @@ FP16_MAX = torch.finfo(torch.float16).max
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TinyT5Config:
-    """Sizes of the demo model; the defaults run 5 training steps in about a second on 2 CPU cores."""
+    """Sizes of the demo model; the defaults build and run 5 fp16 steps in well under a second on 2 cores."""
 
     vocab_size: int = 128
     d_model: int = 64
@@ -51,12 +51,14 @@ class TinyT5Config:
     num_layers: int = 4
     dropout_rate: float = 0.1
     layer_norm_epsilon: float = 1e-6
+    massive_value: float = 100.0
+    """Value of embedding channel 0 for every token: the "massive activation" the outliers read."""
     outlier_block: int = 2
     """Index of the block whose feed-forward gets the outlier units."""
-    num_outlier_units: int = 8
+    num_outlier_units: int = 16
     """How many d_ff hidden units of that block are outliers."""
-    outlier_peak: float = 0.92 * FP16_MAX
-    """Peak |output| of that block's feed-forward on the first batch, without dropout (calibrated)."""
+    outlier_peak: float = 6.27e4
+    """Peak |output| of that feed-forward on the first batch in training mode (the guide's value)."""
 
 
 class TinyT5LayerNorm(nn.Module):
@@ -126,7 +128,11 @@ class TinyT5Attention(nn.Module):
         def split(x: torch.Tensor) -> torch.Tensor:
             return x.view(batch, length, self.num_heads, self.d_kv).transpose(1, 2)
 
-        query, key, value = split(self.q(hidden_states)), split(self.k(hidden_states)), split(self.v(hidden_states))
+        query, key, value = (
+            split(self.q(hidden_states)),
+            split(self.k(hidden_states)),
+            split(self.v(hidden_states)),
+        )
         # T5 does not scale the scores by 1/sqrt(d_kv) (it is folded into q's init) and takes the
         # softmax in fp32.
         scores = torch.matmul(query, key.transpose(-1, -2))
@@ -220,3 +226,160 @@ class TinyT5ForDemo(nn.Module):
         if labels is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1))
         return TinyT5Output(loss=loss, logits=logits)
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+"""(input_ids, labels), both int64 of shape (batch, length)."""
+
+
+@torch.no_grad()
+def _ffn_peak(model: TinyT5ForDemo, input_ids: torch.Tensor) -> float:
+    """Peak |output| of the outlier block's feed-forward in eval mode (no dropout), in fp32.
+
+    Calls the submodules directly rather than hooking them, so building the demo leaves no
+    hooks behind.
+    """
+    block_index = model.config.outlier_block
+    was_training = model.training
+    model.eval()
+    try:
+        hidden = model.shared(input_ids)
+        for block in model.encoder.block[:block_index]:
+            hidden = block(hidden)
+        layer = model.encoder.block[block_index].layer
+        hidden = layer[0](hidden)
+        output = layer[1].DenseReluDense(layer[1].layer_norm(hidden))
+    finally:
+        model.train(was_training)
+    return float(output.abs().max())
+
+
+@torch.no_grad()
+def _add_outliers(model: TinyT5ForDemo, first_input_ids: torch.Tensor) -> None:
+    """Give the model the massive channel and the outlier units, sized to ``outlier_peak``.
+
+    Embedding channel 0 holds ``massive_value`` for every token, so after block 2's RMS norm it
+    is about sqrt(d_model) for every token. The first ``num_outlier_units`` hidden units of that
+    block's feed-forward read it through large ``wi_0``/``wi_1`` weights (gelu(16) * 64 = 1024
+    each) and ``wo`` sums them into output channel 0, the same for every token: a guide-like
+    outlier (the guide's mt5 has |wi_1| up to 26.6 and |wo| up to 6.44).
+
+    The ``wo`` weights are then calibrated so that, with every outlier unit kept by the inner
+    dropout, the output peaks at ``outlier_peak``: the eval-mode peak times 1/(1-p). With 16
+    units about (1-p)^16 = 19% of tokens keep all of them, so the training-mode peak is that value
+    on every draw of the dropout masks, and it does not depend on how a given
+    torch version draws them (measured: within 1% over 40 draws).
+    """
+    c = model.config
+    num = c.num_outlier_units
+    ff = model.encoder.block[c.outlier_block].layer[1].DenseReluDense
+    model.shared.weight[:, 0] = c.massive_value
+    ff.wi_0.weight[:num, 0] = 2.0
+    ff.wi_1.weight[:num, 0] = 8.0
+    ff.wo.weight[0, :num] = 1.0
+    target = c.outlier_peak * (1.0 - c.dropout_rate)
+    # The peak is almost linear in the outlier wo weights (the other units add O(1)); a few
+    # fixed-point steps land within 1e-4.
+    for _ in range(3):
+        ff.wo.weight[0, :num] *= target / _ffn_peak(model, first_input_ids)
+
+
+def build_demo(
+    seed: int = 0,
+    *,
+    config: TinyT5Config | None = None,
+    num_batches: int = 8,
+    batch_size: int = 8,
+    length: int = 32,
+) -> tuple[TinyT5ForDemo, list[Batch]]:
+    """Build the demo model and its training batches, deterministically from ``seed``.
+
+    The task maps every token through a fixed random permutation of the vocabulary, so a working
+    run's loss goes down (slowly: the massive channel dominates every RMS norm, as it would in the
+    checkpoint it mimics). Global RNG state is left untouched.
+
+    Args:
+        seed (int): seeds the weights, the batches and the permutation. Defaults to 0.
+        config (TinyT5Config, optional): model sizes. Defaults to ``TinyT5Config()``.
+        num_batches (int): batches returned; ``train_steps`` cycles through them. Defaults to 8.
+        batch_size (int): sequences per batch. Defaults to 8.
+        length (int): tokens per sequence. Defaults to 32.
+
+    Returns:
+        tuple[TinyT5ForDemo, list[Batch]]: the model (in training mode, fp32) and the batches.
+    """
+    config = config or TinyT5Config()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = TinyT5ForDemo(config)
+    generator = torch.Generator().manual_seed(seed + 1)
+    permutation = torch.randperm(config.vocab_size, generator=generator)
+    batches = []
+    for _ in range(num_batches):
+        input_ids = torch.randint(0, config.vocab_size, (batch_size, length), generator=generator)
+        batches.append((input_ids, permutation[input_ids]))
+    _add_outliers(model, batches[0][0])
+    model.train()
+    return model, batches
+
+
+_PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+def train_steps(
+    model: TinyT5ForDemo,
+    batches: list[Batch],
+    steps: int,
+    precision: str = "fp16",
+    *,
+    lr: float = 1e-2,
+    optimizer: torch.optim.Optimizer | None = None,
+    seed: int = 0,
+) -> list[float]:
+    """Run a plain training loop and return the loss of every step (nan/inf included).
+
+    ``"fp16"`` is CPU autocast to float16 with fp32 master weights and a GradScaler: Linear
+    layers and matmuls really compute in fp16, as in the guide's mixed-precision run, and a step
+    whose gradients are not finite is skipped by the scaler (so the model is not destroyed and the
+    loss stays nan for as long as the forward overflows). ``"bf16"`` is autocast to bfloat16
+    (fp32's range, no scaler); ``"fp32"`` is plain fp32.
+
+    Args:
+        model (TinyT5ForDemo): the model from :func:`build_demo`; trained in place.
+        batches (list[Batch]): (input_ids, labels) pairs, used in order and cycled.
+        steps (int): number of optimizer steps.
+        precision (str): ``"fp16"``, ``"bf16"`` or ``"fp32"``. Defaults to ``"fp16"``.
+        lr (float): AdamW learning rate when ``optimizer`` is None. Defaults to 1e-2.
+        optimizer (torch.optim.Optimizer, optional): an optimizer over ``model``'s parameters, e.g.
+            to keep its state across calls or to hook its steps. Defaults to a new AdamW.
+        seed (int): seeds the dropout masks (global RNG state is restored afterwards). Defaults to 0.
+
+    Returns:
+        list[float]: one loss per step.
+
+    Raises:
+        ValueError: unknown ``precision``, or no batches.
+    """
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(_PRECISIONS)}; got {precision!r}")
+    if not batches:
+        raise ValueError("train_steps needs at least one batch")
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    model.train()
+    losses: list[float] = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for step in range(steps):
+            input_ids, labels = batches[step % len(batches)]
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = model(input_ids, labels=labels).loss
+            assert loss is not None
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            losses.append(float(loss.detach()))
+    return losses

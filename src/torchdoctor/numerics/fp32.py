@@ -45,8 +45,9 @@ Known limitations:
   guarded too and :meth:`Fp32Guard.attached_to` finds its guards.
 * Code that calls ``module.forward(...)`` through the class (``type(m).forward(m, x)``) bypasses
   the guard.
-* In-place updates of fp16 buffers inside the region (e.g. BatchNorm running statistics) are
-  written back to the original buffers after the call, rounded to the buffer's dtype.
+* fp16/bf16 buffers of the region are copied to fp32 and back on every call, so in-place updates
+  (BatchNorm running statistics, caches) survive, rounded to the buffer's dtype; a large
+  low-precision buffer (a KV cache) costs two copies per call.
 """
 
 from __future__ import annotations
@@ -143,30 +144,40 @@ def _fp32_state(module: nn.Module) -> Iterator[None]:
     Done on the ``_parameters``/``_buffers`` dicts directly (as torch.nn.utils.stateless does)
     rather than through ``torch.func.functional_call``, which would call the module again and
     fire its hooks a second time. A tensor shared by several submodules gets one copy.
+
+    Buffers are written back afterwards: kernels such as batch_norm update running statistics in
+    place without bumping the version counter, so a change cannot be detected cheaply, and an
+    fp16/bf16 -> fp32 -> fp16/bf16 round trip is exact for values that did not change.
+    Parameters are written back only if their copy was modified in place (version counter).
     """
-    copies: dict[int, torch.Tensor] = {}
-    swapped: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor, int]] = []
+    copies: dict[int, tuple[torch.Tensor, int]] = {}
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    buffers: dict[int, torch.Tensor] = {}
     try:
         for sub in module.modules():
             for store in (sub._parameters, sub._buffers):
                 for name, tensor in store.items():
                     if not _is_low_precision(tensor):
                         continue
-                    copy = copies.get(id(tensor))
-                    if copy is None:
-                        copy = copies[id(tensor)] = tensor.float()
-                    store[name] = copy
-                    swapped.append((store, name, tensor, copy, copy._version))
+                    if id(tensor) not in copies:
+                        copy = tensor.float()
+                        copies[id(tensor)] = (copy, copy._version)
+                    if store is sub._buffers:
+                        buffers[id(tensor)] = tensor
+                    store[name] = copies[id(tensor)][0]
+                    swapped.append((store, name, tensor))
         yield
     finally:
-        for store, name, original, copy, version in reversed(swapped):
+        written: set[int] = set()
+        for store, name, original in reversed(swapped):
+            copy, version = copies[id(original)]
             current = store.get(name)
             if current is copy:
-                if copy._version != version:
-                    # The forward updated the copy in place (running stats): keep that update.
+                store[name] = original
+                if id(original) not in written and (id(original) in buffers or copy._version != version):
+                    written.add(id(original))
                     with torch.no_grad():
                         original.copy_(copy)
-                store[name] = original
             elif isinstance(current, torch.Tensor) and current.is_floating_point():
                 # The forward re-assigned the attribute; keep its value in the original dtype.
                 store[name] = current.to(original.dtype)

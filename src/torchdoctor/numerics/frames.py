@@ -57,6 +57,7 @@ class Frame:
     with_params: bool = False
     with_param_grads: bool = False
     first_of_step: bool = False
+    source_ref: StatRef | None = None  # bwd: the forward output whose gradient this frame measures
 
 
 @dataclass(slots=True)
@@ -69,6 +70,7 @@ class Line:
     kind: str | None = None
     dtype: torch.dtype | None = None
     param: bool = False  # a direct parameter of the module (its value, not its gradient)
+    ref: StatRef | None = None  # identity of the measured tensor within its step
 
     @property
     def finite(self) -> bool:
@@ -83,6 +85,7 @@ class ResolvedFrame:
     cls: str
     lines: list[Line] = field(default_factory=list)
     first_of_step: bool = False
+    source_ref: StatRef | None = None
 
     @property
     def finite(self) -> bool:
@@ -144,7 +147,9 @@ def resolve(frames: list[Frame], values: dict) -> list[ResolvedFrame]:
     """Join frames with host-read statistics; measure parameters and their gradients now."""
     out: list[ResolvedFrame] = []
     for f in frames:
-        rf = ResolvedFrame(f.step, f.phase, f.info.name, f.info.cls, first_of_step=f.first_of_step)
+        rf = ResolvedFrame(
+            f.step, f.phase, f.info.name, f.info.cls, first_of_step=f.first_of_step, source_ref=f.source_ref
+        )
         module = f.info.module()
         if f.with_params and module is not None:
             for pname, p in module.named_parameters(recurse=False):
@@ -152,7 +157,7 @@ def resolve(frames: list[Frame], values: dict) -> list[ResolvedFrame]:
         for s in f.slots:
             if s.ref is not None:
                 mn, mx = lookup(values, s.ref)
-                rf.lines.append(Line(s.label, mn, mx, dtype=s.dtype))
+                rf.lines.append(Line(s.label, mn, mx, dtype=s.dtype, ref=s.ref))
             else:
                 rf.lines.append(Line(s.label, kind=s.kind, dtype=s.dtype))
         if f.with_param_grads and module is not None:

@@ -320,11 +320,13 @@ class NumericsMonitor:
             if not (isinstance(v, torch.Tensor) and v.requires_grad):
                 continue
             key = id(v)
+            seen = self._seen.get(key)
+            source = seen[2].ref if seen is not None and seen[0]() is v else None
             entry = self._grad_targets.get(key)
             if entry is not None and entry[0]() is v:
-                entry[1].append((info, "grad_" + label))
+                entry[1].append((info, "grad_" + label, source))
                 continue
-            targets = [(info, "grad_" + label)]
+            targets = [(info, "grad_" + label, source)]
             self._grad_targets[key] = (weakref.ref(v), targets)
             v.register_hook(functools.partial(self._on_grad, targets))
 
@@ -334,7 +336,7 @@ class NumericsMonitor:
         self._backward_ran = True
         measured = measure(self._buffer, targets[0][1], grad)
         seen_modules = set()
-        for info, label in targets:
+        for info, label, source in targets:
             first_for_module = id(info) not in seen_modules
             seen_modules.add(id(info))
             self._frames.append(
@@ -344,6 +346,7 @@ class NumericsMonitor:
                     info,
                     [Slot(label, measured.ref, measured.kind, measured.dtype)],
                     with_param_grads=first_for_module,
+                    source_ref=source,
                 )
             )
 

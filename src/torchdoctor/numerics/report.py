@@ -155,11 +155,43 @@ def _near_max(frames: list[ResolvedFrame], upto: int) -> tuple[ResolvedFrame, Li
     return best
 
 
+def backward_consumer(frames: list[ResolvedFrame], index: int) -> ResolvedFrame | None:
+    """The module whose backward produced the gradient measured at ``frames[index]``.
+
+    A bwd frame measures the gradient w.r.t. a forward output of module P. That gradient is what the
+    backward of P's *consumer* returned: the first later forward frame of the same step that took
+    the very same tensor as an input (pass-through modules, whose output is that tensor too, are
+    skipped). None when the tensor reached its consumer through a view or a plain function.
+    """
+    bad = frames[index]
+    ref = bad.source_ref
+    if ref is None:
+        return None
+    for f in frames:
+        if f.step != bad.step or f.phase == BWD:
+            continue
+        takes = any(ln.ref == ref and ln.label.startswith("input") for ln in f.lines)
+        passes = any(ln.ref == ref and ln.label.startswith("output") for ln in f.lines)
+        if takes and not passes:
+            return f
+    return None
+
+
 def diagnose(frames: list[ResolvedFrame], index: int, line: Line, model_var: str = "model") -> tuple[str, str | None]:
     """(diagnosis, fix) for the first non-finite ``line`` of ``frames[index]``."""
     frame = frames[index]
     what = "nan" if math.isnan(line.abs_max) else "inf"
     if frame.phase == BWD:
+        consumer = None if line.label.startswith("grad:") else backward_consumer(frames, index)
+        if consumer is not None:
+            return (
+                f"the forward was finite; in the backward the gradient was finite at the output of "
+                f"{consumer.name} ({consumer.cls}) and became {what} at its input "
+                f"({frame.name}.{line.label[5:]}): the blow-up starts in the backward of {consumer.name}. "
+                f"In fp16 scale the loss (torch.amp.GradScaler) or train in bf16; if it persists keep "
+                f"{consumer.name} in fp32.",
+                f"torchdoctor.keep_fp32({model_var}, {consumer.name!r})",
+            )
         if line.label.startswith("grad:"):
             where = f"the gradient of {frame.name}.{line.label[5:]}"
         else:
@@ -213,8 +245,11 @@ def build_report(frames: list[ResolvedFrame], max_frames: int, rank: int | None)
     index, line = found
     frame = frames[index]
     diagnosis, fix = diagnose(frames, index, line)
-    first = FirstNonFinite(
-        frame.step, frame.phase, frame.name, frame.cls, line.label, "nan" if math.isnan(line.abs_max) else "inf"
-    )
+    value = "nan" if math.isnan(line.abs_max) else "inf"
+    consumer = backward_consumer(frames, index) if frame.phase == BWD and not line.label.startswith("grad:") else None
+    if consumer is not None:
+        first = FirstNonFinite(frame.step, BWD, consumer.name, consumer.cls, "grad_input", value)
+    else:
+        first = FirstNonFinite(frame.step, frame.phase, frame.name, frame.cls, line.label, value)
     shown = frames[max(0, index - max_frames) : index + 1]
     return NonFiniteReport(frame.step, first, shown, diagnosis, fix, rank=rank, marker=line)

@@ -1,0 +1,84 @@
+"""Shared builders: small real transformers models made from a config (no downloads)."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import pytest
+import torch
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def tiny_t5(seed: int = 0, **overrides):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    kw = dict(
+        d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=16, vocab_size=64,
+        feed_forward_proj="gated-gelu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    return T5ForConditionalGeneration(T5Config(**kw))
+
+
+def t5_batch(seed: int = 0, batch: int = 2, src: int = 8, tgt: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(2, 64, (batch, src), generator=g),
+        "labels": torch.randint(2, 64, (batch, tgt), generator=g),
+    }
+
+
+def tiny_gpt2(seed: int = 0, **overrides):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    kw = dict(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(**kw))
+
+
+def gpt2_batch(seed: int = 0, batch: int = 2, seq: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (batch, seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def overflowing_gpt2(seed: int = 0):
+    """A half-precision GPT-2 whose block 1 MLP projection overflows fp16 in the forward."""
+    model = tiny_gpt2(seed).half()
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_proj.weight.fill_(6e4)
+    return model
+
+
+class GradBoom(torch.autograd.Function):
+    """Identity in the forward; multiplies the gradient by 1e39 in the backward (inf in fp32)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1e39
+
+
+class Boom(torch.nn.Module):
+    def forward(self, x):
+        return GradBoom.apply(x)
+
+
+def boom_mlp(seed: int = 0) -> torch.nn.Module:
+    """fc1 -> act -> boom -> fc2: finite forward, inf gradient born in boom's backward."""
+    torch.manual_seed(seed)
+    layers = OrderedDict(fc1=torch.nn.Linear(8, 16), act=torch.nn.GELU(), boom=Boom(), fc2=torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(layers)
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_dir(tmp_path, monkeypatch):
+    """Reports are written to the working directory by default: keep them out of the repo."""
+    monkeypatch.chdir(tmp_path)

@@ -1,0 +1,363 @@
+"""NumericsMonitor on real transformers models: detection, localisation, syncs, lifecycle."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import boom_mlp, gpt2_batch, overflowing_gpt2, t5_batch, tiny_gpt2, tiny_t5
+
+from torchdoctor import AbortAfterStep, NonFiniteError, NumericsMonitor
+from torchdoctor.syncs import SyncCounter
+
+
+def train_step(model, opt, batch):
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def syncs_of_step(model, opt, batch) -> int:
+    with SyncCounter() as c:
+        train_step(model, opt, batch)
+    return c.count
+
+
+@pytest.mark.parametrize("grads", ["none", "params", "modules"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
+def test_full_step_makes_at_most_one_more_host_sync(grads, precision):
+    model = tiny_t5()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = t5_batch()
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # AdamW state exists from here on
+    with SyncCounter() as bare:
+        step()
+    with NumericsMonitor(model, optimizer=opt, grads=grads) as mon:
+        step()
+        with SyncCounter() as watched:
+            step()
+        assert mon.step_index == 2
+    # AdamW on CPU calls .item() once per parameter tensor: the bare step is not sync-free
+    assert bare.count > 0
+    assert watched.count - bare.count <= 1
+
+
+def test_forward_overflow_names_module_and_leaves_weights_untouched(tmp_path):
+    model = overflowing_gpt2()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # one clean step on a copy to give the optimizer real state
+    good = tiny_gpt2().half()
+    batch = gpt2_batch()
+    with NumericsMonitor(model, optimizer=opt, report_dir=tmp_path / "r") as mon:
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(NonFiniteError) as exc:
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+        err = exc.value
+        assert isinstance(err, ValueError)
+        assert err.first.phase == "fwd"
+        assert err.first.module == "transformer.h.1.mlp.c_proj"
+        assert err.first.cls == "Conv1D"
+        assert err.first.slot == "output"
+        assert err.first.value == "inf"
+        assert err.first.step == 0
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), k
+        assert opt.state == {} or all("momentum_buffer" not in s for s in opt.state.values())
+        assert mon.report is err.details
+    txt = (tmp_path / "r" / "torchdoctor-nonfinite-rank0.txt").read_text()
+    assert "transformer.h.1.mlp.c_proj Conv1D" in txt and "<-- first non-finite value" in txt
+    data = json.loads((tmp_path / "r" / "torchdoctor-nonfinite-rank0.json").read_text())
+    assert data["first"]["module"] == "transformer.h.1.mlp.c_proj"
+    assert data["frames"][-1]["module"] == "transformer.h.1.mlp.c_proj"
+    assert len(data["frames"]) <= 22
+    del good
+
+
+def test_optimizer_state_is_bit_identical_after_detection():
+    model = tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = gpt2_batch()
+    with NumericsMonitor(model, optimizer=opt):
+        train_step(model, opt, batch)  # clean step: AdamW state exists
+        params = [p.detach().clone() for p in model.parameters()]
+        state = copy.deepcopy(opt.state_dict())
+        bad = dict(batch)
+        with torch.no_grad():
+            model.transformer.wpe.weight[3, 0] = float("nan")  # broken weight, as after a bad update
+        params[1] = model.transformer.wpe.weight.detach().clone()
+        with pytest.raises(NonFiniteError) as exc:
+            train_step(model, opt, bad)
+        assert exc.value.first.module == "transformer.wpe"
+        assert exc.value.first.slot == "weight"
+        assert "already nan" in exc.value.report
+    for p, q in zip(model.parameters(), params):
+        assert torch.equal(p, q) or (p.isnan() == q.isnan()).all()
+    after = opt.state_dict()
+    for k, s in state["state"].items():
+        for name, v in s.items():
+            assert torch.equal(after["state"][k][name], v), (k, name)
+
+
+def test_backward_only_blowup_is_localized_at_module_level():
+    model = boom_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with NumericsMonitor(model, optimizer=opt, grads="modules") as mon:
+        out = model(x)
+        out.sum().backward()
+        with pytest.raises(NonFiniteError) as exc:
+            opt.step()
+    first = exc.value.first
+    assert first.phase == "bwd"
+    assert first.module == "boom"
+    assert first.slot == "grad_input"
+    assert "blow-up starts in the backward of boom" in exc.value.report
+    assert mon.step_index == 0
+
+
+def test_backward_blowup_at_params_level_says_how_to_localize():
+    model = boom_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with NumericsMonitor(model, optimizer=opt):
+        model(torch.randn(4, 8)).sum().backward()
+        with pytest.raises(NonFiniteError) as exc:
+            opt.step()
+    assert exc.value.first.phase == "bwd"
+    assert exc.value.first.slot.startswith("grad:")
+    assert exc.value.first.module == "fc1"  # the only gradient past boom
+    assert "grads='modules'" in exc.value.report
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def _scaled_run(model, opt, scaler, steps, mon_kwargs, pass_scaler=True):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    with NumericsMonitor(model, optimizer=opt, scaler=scaler if pass_scaler else None, **mon_kwargs) as mon:
+        for _ in range(steps):
+            loss = model(x).pow(2).mean() * 64
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    return mon
+
+
+@pytest.mark.parametrize("grads", ["params", "modules"])
+def test_gradscaler_overflows_are_recorded_not_raised(grads):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+    mon = _scaled_run(model, opt, scaler, 12, {"grads": grads})
+    assert len(mon.overflows) >= 2  # the first steps overflow, then the scaler recovers
+    assert [e.step for e in mon.overflows] == list(range(len(mon.overflows)))
+    assert mon.overflows[0].scale == 2.0**127  # the scale the overflowing step ran at
+    assert mon.step_index == 12
+    assert len(mon.overflows) < 12
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    if grads == "params":
+        assert mon.grads == "modules"  # switched itself to localize the next overflow
+
+
+def test_skipped_steps_are_seen_without_passing_the_scaler():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+    mon = _scaled_run(model, opt, scaler, 12, {"grads": "modules"}, pass_scaler=False)
+    assert len(mon.overflows) >= 2
+    assert mon.overflows[0].scale is None
+    assert mon.overflows[0].module is not None
+
+
+def test_collapsing_loss_scale_aborts():
+    model = boom_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    x = torch.randn(4, 8)
+    with NumericsMonitor(model, optimizer=opt, scaler=scaler, grads="modules") as mon, pytest.raises(
+        NonFiniteError
+    ) as exc:
+        for _ in range(10):
+            scaler.scale(model(x).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert "loss scale collapsed" in exc.value.report
+    assert [e.scale for e in mon.overflows] == [4.0, 2.0, 1.0, 0.5]  # 0.5 < min_loss_scale=1
+    assert exc.value.first.module == "boom"
+
+
+def test_scaler_update_is_restored_on_close():
+    model = boom_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    mon = NumericsMonitor(model, optimizer=opt, scaler=scaler)
+    assert "update" in scaler.__dict__
+    mon.close()
+    assert "update" not in scaler.__dict__
+
+
+def test_gradient_checkpointing_recomputation_is_not_a_new_frame():
+    plain = tiny_gpt2()
+    ckpt = copy.deepcopy(plain)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    plain.train()
+    ckpt.train()
+    batch = gpt2_batch()
+    counts = {}
+    for name, model in (("plain", plain), ("ckpt", ckpt)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        with NumericsMonitor(model, optimizer=opt, grads="modules") as mon:
+            train_step(model, opt, batch)
+            frames = mon._history[-1].frames
+            counts[name] = (
+                sum(f.phase == "fwd" for f in frames),
+                sum(f.phase == "bwd" for f in frames),
+                mon.step_index,
+            )
+    assert counts["ckpt"][0] == counts["plain"][0]
+    assert counts["ckpt"][2] == counts["plain"][2] == 1
+    assert counts["ckpt"][1] > 0
+
+
+def test_shared_module_and_no_grad_inference_count_steps_per_forward():
+    shared = torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential(shared, torch.nn.ReLU(), shared)
+    with NumericsMonitor(model) as mon, torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(2, 4))
+        assert mon.step_index == 3
+        names = [f.info.name for f in mon._history[-1].frames]
+    assert names.count("0") == 2  # the shared module's two calls, under its first name
+
+
+class Odd(torch.nn.Module):
+    """Returns every awkward kind of value a forward can return."""
+
+    def forward(self, x, *, mask=None, flag=True, ids=None):
+        return {
+            "ints": torch.arange(5),
+            "bools": x > 0,
+            "empty": x[:0],
+            "complex": torch.complex(x, x),
+            "meta": torch.empty(3, device="meta"),
+            "none": None,
+            "text": "hello",
+            "nested": [x, (x * 2, None)],
+        }
+
+
+def test_awkward_values_never_crash_and_are_labelled(capsys):
+    model = torch.nn.Sequential()
+    model.add_module("odd", Odd())
+    with NumericsMonitor(model.odd, trace_steps=[0]) as mon:
+        model.odd(torch.randn(3), mask=torch.ones(3, dtype=torch.bool), ids=torch.tensor([1, 2]))
+    out = capsys.readouterr().out
+    for label in (
+        "input[mask]", "input[ids]", "output[ints]", "output[bools]", "output[empty]",
+        "output[complex]", "output[meta]", "output[none]", "output[text]", "output[nested][1][0]",
+    ):
+        assert label in out, label
+    assert "empty fwd   output[empty]" in out
+    assert "meta fwd   output[meta]" in out
+    assert mon.step_index == 1
+    trace = [json.loads(x) for x in Path("torchdoctor-trace-rank0.jsonl").read_text().splitlines()]
+    assert trace[0]["module"] == "" and trace[0]["class"] == "Odd"
+
+
+class Fails(torch.nn.Module):
+    def forward(self, x):
+        if x.abs().sum() > 1e6:
+            raise RuntimeError("user error inside forward")
+        return x * 2
+
+
+def test_forward_that_raises_keeps_hooks_consistent():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), Fails())
+    with NumericsMonitor(model) as mon:
+        with pytest.raises(RuntimeError, match="user error"):
+            model(torch.full((1, 2), 1e7))
+        model(torch.ones(1, 2))
+        assert mon.step_index == 1
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_close_removes_every_hook_and_double_attach_is_refused():
+    model = tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    mon = NumericsMonitor(model, optimizer=opt)
+    with pytest.raises(RuntimeError, match="already watched"):
+        NumericsMonitor(model.transformer.h[0])
+    mon.close()
+    mon.close()  # twice is fine
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    with NumericsMonitor(model, optimizer=opt):  # and it can be attached again
+        train_step(model, opt, gpt2_batch())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"grads": "everything"}, "grads='everything' is not one of"),
+        ({"max_frames": -1}, "max_frames must be >= 0"),
+    ],
+)
+def test_bad_arguments_are_clear(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        NumericsMonitor(torch.nn.Linear(2, 2), **kwargs)
+    with pytest.raises(TypeError, match="needs an nn.Module"):
+        NumericsMonitor("model")
+    with pytest.raises(TypeError, match="register_step_pre_hook"):
+        NumericsMonitor(torch.nn.Linear(2, 2), optimizer=object())
+
+
+def test_trace_steps_and_abort_after_step(capsys, tmp_path):
+    model = tiny_t5()
+    opt = torch.optim.AdamW(model.parameters())
+    batch = t5_batch()
+    with NumericsMonitor(model, optimizer=opt, trace_steps=[1], abort_after_step=2, report_dir=tmp_path) as mon:
+        with pytest.raises(AbortAfterStep, match="after step 2"):
+            for _ in range(10):
+                train_step(model, opt, batch)
+        assert mon.step_index == 3
+    out = capsys.readouterr().out
+    assert "*** Starting step=1 ***" in out and "*** Starting step=0 ***" not in out
+    rows = [json.loads(x) for x in (tmp_path / "torchdoctor-trace-rank0.jsonl").read_text().splitlines()]
+    assert rows and {r["step"] for r in rows} == {1}
+    assert {r["phase"] for r in rows} == {"fwd"}
+    assert any(r["module"] == "encoder.block.0.layer.1.DenseReluDense.wo" for r in rows)
+    wo = next(r for r in rows if r["module"] == "encoder.block.0.layer.1.DenseReluDense.wo")
+    assert [s["slot"] for s in wo["slots"]] == ["weight", "input[0]", "output"]
+    assert all(isinstance(s["abs_max"], float) and math.isfinite(s["abs_max"]) for s in wo["slots"])
+
+
+def test_mark_adds_an_ordered_frame_and_can_be_the_first_bad_one():
+    lin = torch.nn.Linear(4, 4)
+    with NumericsMonitor(lin) as mon:
+        y = lin(torch.ones(1, 4))
+        with SyncCounter() as c:
+            mon.mark(y, "after lin")
+            mon.mark(y / 0.0, "divided by zero")
+        assert c.count == 0
+        with pytest.raises(NonFiniteError) as exc:
+            mon.step()
+    assert exc.value.first.module == "divided by zero"
+    assert exc.value.first.phase == "mark"
