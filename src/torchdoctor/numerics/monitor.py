@@ -398,35 +398,42 @@ class NumericsMonitor:
         """Check the finished step with one host read; raise or record what went wrong."""
         if not self._frames and not self._backward_ran and source in ("forward", "skipped"):
             return
-        flags = self._buffer.finite_flags()
+        act_ok = all_finite(self._buffer.finite_flags())  # activations (and module-level gradients)
         check_grads = self.grads != "none" and source != "forward"
-        if check_grads:
-            flags += self._param_grad_flags()
-        ok_t = all_finite(flags)
-        bad_ranks: list[int] = []
+        grad_ok = all_finite(self._param_grad_flags()) if check_grads else None
+        others: list[int] = []
         if self._sync_ranks:
-            ok, bad_ranks = self._share_verdict(ok_t)
+            ok, others = self._share_verdict(act_ok, grad_ok)
         else:
-            ok = True if ok_t is None else bool(ok_t.item())  # THE host sync of this step
+            both = all_finite([f for f in (act_ok, grad_ok) if f is not None])
+            ok = True if both is None else bool(both.item())  # THE host sync of this step
         step = self.step_index
         if step in self.trace_steps:
             self._trace(step)
         if not ok:
-            self._handle_nonfinite(step, source, bad_ranks, check_grads)
+            self._handle_nonfinite(step, source, others, check_grads)
         self._rotate()
         if abort_check and source != "skipped":
             self._check_abort_after(step)
 
-    def _share_verdict(self, ok_t: torch.Tensor | None) -> tuple[bool, list[int]]:
-        """All-reduce which ranks saw a non-finite value (one small collective, read once)."""
+    def _share_verdict(self, act_ok: torch.Tensor | None, grad_ok: torch.Tensor | None) -> tuple[bool, list[int]]:
+        """One small all-reduce: which ranks saw non-finite activations, which non-finite gradients.
+
+        Returns (all finite everywhere, the *other* ranks whose activations were non-finite). Under DDP
+        a non-finite gradient on one rank reaches every rank through the gradient all-reduce; knowing
+        which rank's forward broke lets the others say so instead of blaming themselves.
+        """
         dist = torch.distributed
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        bad = torch.zeros(self._world, dtype=torch.int32, device=device)
-        if ok_t is not None:
-            bad[dist.get_rank()] = (~ok_t).to(device=device, dtype=torch.int32)
+        bad = torch.zeros(self._world, 2, dtype=torch.int32, device=device)
+        me = dist.get_rank()
+        for col, flag in enumerate((act_ok, grad_ok)):
+            if flag is not None:
+                bad[me, col] = (~flag).to(device=device, dtype=torch.int32)
         dist.all_reduce(bad)
-        bad_ranks = [i for i, b in enumerate(bad.cpu().tolist()) if b]
-        return not bad_ranks, bad_ranks
+        rows = bad.cpu().tolist()  # the one host read of this step
+        any_bad = any(a or g for a, g in rows)
+        return not any_bad, [r for r, (a, _) in enumerate(rows) if a and r != me]
 
     def _rotate(self) -> None:
         """Keep recent steps (unread, on device) as context for a report, then start a new step."""
@@ -484,10 +491,16 @@ class NumericsMonitor:
         if check_grads and all(f.finite for f in current):
             frames += self._param_grad_frames(step)
         report = build_report(frames, self.max_frames, self.rank)
-        if report is None:
-            # only another rank saw the non-finite value
+        if report is None:  # only another rank saw a non-finite value
             report = NonFiniteReport(step, None, [], "another rank found non-finite values", rank=self.rank)
         report.bad_ranks = bad_ranks
+        if bad_ranks and report.first is not None and report.first.phase == BWD:
+            report.diagnosis = (
+                f"this rank's forward was finite; rank(s) {bad_ranks} produced non-finite activations in "
+                "this step and their gradients reached this rank through the gradient all-reduce. "
+                f"See the report of rank {bad_ranks[0]}."
+            )
+            report.fix = None
         only_backward = report.first is not None and report.first.phase == BWD
         if only_backward and source == "skipped":
             self._record_overflow(step, report)

@@ -66,7 +66,7 @@ class NonFiniteReport:
             )
             out.append(f"Last {len(self.frames)} frames, in execution order:")
             out.extend(format_frames(self.frames, self.marker))
-        elif self.bad_ranks:
+        else:
             out.append(f"Stopped at step {self.step}: rank(s) {self.bad_ranks} found non-finite values;")
             out.append("this rank's values were finite. See the report file of the rank(s) named.")
         out.append(f"Diagnosis: {self.diagnosis}")
@@ -114,6 +114,17 @@ def find_first_bad(frames: list[ResolvedFrame]) -> tuple[int, Line] | None:
                 if not line.finite and not (timely and line.label.startswith("grad:")):
                     return i, line
     return None
+
+
+def _produced_earlier(frames: list[ResolvedFrame], index: int, line: Line) -> bool:
+    """Was this very tensor an output of an earlier frame of the same step?"""
+    step = frames[index].step
+    return line.ref is not None and any(
+        ln.ref == line.ref and ln.label.startswith("output")
+        for f in frames[:index]
+        if f.step == step
+        for ln in f.lines
+    )
 
 
 def _dtype_max(dtype: torch.dtype | None) -> float | None:
@@ -209,8 +220,19 @@ def diagnose(frames: list[ResolvedFrame], index: int, line: Line, model_var: str
             f"watch gradients (grads='params') so a non-finite update is stopped before it is applied.",
             None,
         )
-    if line.label.startswith("input") and index == 0 and frame.name in ("", frames[0].name):
-        return (f"the input {line.label} given to {frame.name or 'the model'} is already {what}: check the data.", None)
+    if line.label.startswith("input") and not _produced_earlier(frames, index, line):
+        if frame.first_of_step:
+            return (
+                f"the input {line.label} given to {frame.name or 'the model'} ({frame.cls}) is already {what}: "
+                "check the data (or whatever feeds the model).",
+                None,
+            )
+        return (
+            f"{frame.name} ({frame.cls}) received an {what} {line.label} that no watched module produced: it was "
+            "computed by plain code between modules. Put mon.mark(tensor, 'label') after the suspect "
+            "lines to find it.",
+            None,
+        )
     near = _near_max(frames, index)
     if what == "inf" and near is not None and near[2] >= 1 / HEADROOM_FACTOR:
         nf, nl, ratio = near

@@ -1,0 +1,43 @@
+"""Run under torchrun (gloo): DDP training where rank 1 alone gets a non-finite input at step 2.
+
+Prints one JSON line per rank with what its monitor reported. Used by tests/test_ddp.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from torchdoctor import NonFiniteError, NumericsMonitor
+
+
+def main(report_dir: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    result = {"rank": rank, "error": None}
+    try:
+        with NumericsMonitor(ddp, optimizer=opt, report_dir=report_dir) as mon:
+            for step in range(5):
+                x = torch.randn(4, 8)
+                if rank == 1 and step == 2:
+                    x[0, 3] = float("inf")
+                ddp(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    except NonFiniteError as e:
+        result["error"] = {"first": e.first.to_json() if e.first else None, "report": e.report}
+    result["steps"] = mon.step_index
+    print(json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else os.getcwd())

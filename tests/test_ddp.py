@@ -1,0 +1,36 @@
+"""DDP with 2 real ranks on gloo under torchrun: every rank stops together, rank named everywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def test_ddp_two_ranks_stop_together_and_name_the_bad_rank(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src"), "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(HERE / "ddp_worker.py"), str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {r["rank"]: r for r in map(json.loads, [ln for ln in proc.stdout.splitlines() if ln.startswith("{")])}
+    assert set(results) == {0, 1}
+    bad, good = results[1], results[0]
+    # the rank with the inf names it; the other rank stops at the same step instead of hanging
+    assert bad["error"]["first"]["phase"] == "fwd" and bad["error"]["first"]["step"] == 2
+    assert bad["error"]["first"]["slot"] == "input[0]"
+    # rank 0's forward was finite; the inf reached its gradients through DDP's all-reduce
+    assert good["error"]["first"]["phase"] == "bwd"
+    assert "rank(s) [1] produced non-finite activations" in good["error"]["report"]
+    assert bad["steps"] == good["steps"] == 2
+    assert all(line.startswith("[rank1] ") for line in bad["error"]["report"].splitlines())
+    assert "check the data" in bad["error"]["report"]
+    for rank in (0, 1):
+        assert (tmp_path / f"torchdoctor-nonfinite-rank{rank}.txt").read_text().startswith(f"[rank{rank}] ")
+        assert (tmp_path / f"torchdoctor-nonfinite-rank{rank}.json").exists()
