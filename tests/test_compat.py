@@ -8,10 +8,10 @@ import io
 
 import pytest
 import torch
-from conftest import gpt2_batch, overflowing_gpt2, t5_batch, tiny_t5
 from transformers.debug_utils import DebugUnderflowOverflow as TheirDetector
 from transformers.debug_utils import detect_overflow as their_detect_overflow
 
+from conftest import gpt2_batch, overflowing_gpt2, t5_batch, tiny_t5
 from torchdoctor.compat import DebugUnderflowOverflow, detect_overflow
 from torchdoctor.syncs import SyncCounter
 
@@ -111,9 +111,8 @@ def test_bool_and_empty_inputs_do_not_crash():
             return x[mask], x[:0]
 
     m = Takes()
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        with DebugUnderflowOverflow(m, trace_batch_nums=[0]):
-            m(torch.randn(4), torch.tensor([True, False, True, True]))
+    with contextlib.redirect_stdout(io.StringIO()) as out, DebugUnderflowOverflow(m, trace_batch_nums=[0]):
+        m(torch.randn(4), torch.tensor([True, False, True, True]))
     text = out.getvalue()
     assert "0.00e+00 1.00e+00 input[1]" in text
     assert "empty output[1]" in text

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import boom_mlp, gpt2_batch, overflowing_gpt2, t5_batch, tiny_gpt2, tiny_t5
 
+from conftest import boom_mlp, gpt2_batch, overflowing_gpt2, t5_batch, tiny_gpt2, tiny_t5
 from torchdoctor import AbortAfterStep, NonFiniteError, NumericsMonitor
 from torchdoctor.syncs import SyncCounter
 

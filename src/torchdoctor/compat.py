@@ -158,7 +158,9 @@ class _HFEngine(NumericsMonitor):
         self._print(hf_header())
         self._print("\n".join(self._hf_frame(f) for f in shown))
         self._print("\n\n")
-        self._print(f"torchdoctor diagnosis: {report.diagnosis}" + (f"\ntorchdoctor fix: {report.fix}" if report.fix else ""))
+        self._print(f"torchdoctor diagnosis: {report.diagnosis}")
+        if report.fix:
+            self._print(f"torchdoctor fix: {report.fix}")
         self._active = False
         self.report = report
         raise ValueError(_DETECTED)

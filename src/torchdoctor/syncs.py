@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _SYNC_OPS = ("_local_scalar_dense", "is_nonzero")

@@ -275,9 +275,9 @@ class NumericsMonitor:
             return
         # A backward ran, yet every gradient is None again: the optimizer step was skipped (a loss
         # scaler saw an overflow) and zero_grad() ran. Close that step now.
-        if self._backward_ran and not self._manual and self.optimizer is not None and self.scaler is None:
-            if all(p.grad is None for p in self._params):
-                self._close_step("skipped")
+        skipped_possible = self._backward_ran and not self._manual and self.optimizer is not None
+        if skipped_possible and self.scaler is None and all(p.grad is None for p in self._params):
+            self._close_step("skipped")
 
     def _on_forward(self, info: ModuleInfo, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._active:
@@ -500,7 +500,7 @@ class NumericsMonitor:
                 "this step and their gradients reached this rank through the gradient all-reduce. "
                 f"See the report of rank {bad_ranks[0]}."
             )
-            report.fix = None
+            report.fix = report.fp32_region = None
         only_backward = report.first is not None and report.first.phase == BWD
         if only_backward and source == "skipped":
             self._record_overflow(step, report)

@@ -54,6 +54,7 @@ class NonFiniteReport:
     bad_ranks: list[int] = field(default_factory=list)
     marker: Line | None = None
     notes: list[str] = field(default_factory=list)
+    fp32_region: str | None = None  # the module to keep in fp32, when that is the fix
 
     def text(self) -> str:
         tag = f"[rank{self.rank}] " if self.rank is not None else ""
@@ -83,6 +84,7 @@ class NonFiniteReport:
             "first": self.first.to_json() if self.first else None,
             "diagnosis": self.diagnosis,
             "fix": self.fix,
+            "fp32_region": self.fp32_region,
             "notes": self.notes,
             "frames": [f.to_json() for f in self.frames],
         }
@@ -92,7 +94,8 @@ class NonFiniteReport:
         os.makedirs(report_dir, exist_ok=True)
         stem = os.path.join(os.fspath(report_dir), f"{basename}-rank{self.rank or 0}")
         paths = []
-        for path, content in ((stem + ".txt", self.text() + "\n"), (stem + ".json", json.dumps(self.to_json(), indent=1))):
+        contents = {stem + ".txt": self.text() + "\n", stem + ".json": json.dumps(self.to_json(), indent=1)}
+        for path, content in contents.items():
             with open(path, "w", encoding="utf-8") as fh:
                 fh.write(content)
                 fh.flush()
@@ -188,8 +191,8 @@ def backward_consumer(frames: list[ResolvedFrame], index: int) -> ResolvedFrame 
     return None
 
 
-def diagnose(frames: list[ResolvedFrame], index: int, line: Line, model_var: str = "model") -> tuple[str, str | None]:
-    """(diagnosis, fix) for the first non-finite ``line`` of ``frames[index]``."""
+def diagnose(frames: list[ResolvedFrame], index: int, line: Line) -> tuple[str, str | None]:
+    """(diagnosis, module to keep in fp32 or None) for the first non-finite ``line`` of ``frames[index]``."""
     frame = frames[index]
     what = "nan" if math.isnan(line.abs_max) else "inf"
     if frame.phase == BWD:
@@ -201,7 +204,7 @@ def diagnose(frames: list[ResolvedFrame], index: int, line: Line, model_var: str
                 f"({frame.name}.{line.label[5:]}): the blow-up starts in the backward of {consumer.name}. "
                 f"In fp16 scale the loss (torch.amp.GradScaler) or train in bf16; if it persists keep "
                 f"{consumer.name} in fp32.",
-                f"torchdoctor.keep_fp32({model_var}, {consumer.name!r})",
+                consumer.name,
             )
         if line.label.startswith("grad:"):
             where = f"the gradient of {frame.name}.{line.label[5:]}"
@@ -211,7 +214,7 @@ def diagnose(frames: list[ResolvedFrame], index: int, line: Line, model_var: str
             f"the forward was finite; {where} became {what} in the backward. In fp16 this is a gradient "
             f"overflow: scale the loss (torch.amp.GradScaler, DeepSpeed dynamic loss scaling) or train in bf16; "
             f"if it persists, keep {frame.name or 'the module'} in fp32.",
-            f"torchdoctor.keep_fp32({model_var}, {frame.name!r})" if frame.name else None,
+            frame.name or None,
         )
     if line.param:
         return (
@@ -238,12 +241,12 @@ def diagnose(frames: list[ResolvedFrame], index: int, line: Line, model_var: str
         nf, nl, ratio = near
         top = _dtype_max(nl.dtype)
         region = common_region(nf.name, frame.name)
-        fix_target = region or nf.name
+        fix_target = region or nf.name or None
         return (
             f"{nf.name} ({nf.cls}) {nl.label} reached {nl.abs_max:.2e}, within {1 / ratio:.2f}x of "
             f"{_dtype_name(nl.dtype)}'s max {top:.2e}, and {frame.name} ({frame.cls}) then overflowed to inf. "
             f"Keep {fix_target or 'that region'} in fp32 (autocast off, inputs upcast), or train in bf16.",
-            f"torchdoctor.keep_fp32({model_var}, {fix_target!r})",
+            fix_target,
         )
     if what == "nan":
         return (
@@ -255,7 +258,7 @@ def diagnose(frames: list[ResolvedFrame], index: int, line: Line, model_var: str
     return (
         f"{frame.name} ({frame.cls}) {line.label} overflowed to inf in {_dtype_name(dtype)} with no value near "
         f"the limit in the frames shown: a single large product. Keep {frame.name} in fp32 or train in bf16.",
-        f"torchdoctor.keep_fp32({model_var}, {frame.name!r})" if frame.name else None,
+        frame.name or None,
     )
 
 
@@ -266,7 +269,7 @@ def build_report(frames: list[ResolvedFrame], max_frames: int, rank: int | None)
         return None
     index, line = found
     frame = frames[index]
-    diagnosis, fix = diagnose(frames, index, line)
+    diagnosis, region = diagnose(frames, index, line)
     value = "nan" if math.isnan(line.abs_max) else "inf"
     consumer = backward_consumer(frames, index) if frame.phase == BWD and not line.label.startswith("grad:") else None
     if consumer is not None:
@@ -274,4 +277,10 @@ def build_report(frames: list[ResolvedFrame], max_frames: int, rank: int | None)
     else:
         first = FirstNonFinite(frame.step, frame.phase, frame.name, frame.cls, line.label, value)
     shown = frames[max(0, index - max_frames) : index + 1]
-    return NonFiniteReport(frame.step, first, shown, diagnosis, fix, rank=rank, marker=line)
+    return NonFiniteReport(frame.step, first, shown, diagnosis, fix_keep_fp32(region), rank=rank, marker=line,
+                           fp32_region=region)
+
+
+def fix_keep_fp32(region: str | None) -> str | None:
+    """The one-line fix for a region that should run in fp32 (None when there is none)."""
+    return None if region is None else f"torchdoctor.keep_fp32(model, {region!r})"

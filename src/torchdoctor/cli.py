@@ -1,0 +1,54 @@
+"""The ``torchdoctor`` command line: a thin layer that parses arguments and calls the packages.
+
+Subcommands are registered in ``COMMANDS`` (name -> (module, summary)) and imported only when run,
+so ``torchdoctor --help`` stays fast. Exit codes: 0 healthy, 1 problems found, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+
+# name -> (module providing add_arguments(parser) and run(args) -> int, one-line summary)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": (
+        "torchdoctor.demo.run",
+        "train a tiny T5 in fp16 on CPU: the monitor finds the overflow, explains it, and the fix works",
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torchdoctor",
+        description="Tells you why a PyTorch training run broke and how to fix it.",
+    )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"torchdoctor {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, summary) in COMMANDS.items():
+        p = sub.add_parser(name, help=summary, description=summary)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return importlib.import_module(args._module).run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
