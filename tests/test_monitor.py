@@ -361,3 +361,25 @@ def test_mark_adds_an_ordered_frame_and_can_be_the_first_bad_one():
             mon.step()
     assert exc.value.first.module == "divided by zero"
     assert exc.value.first.phase == "mark"
+
+
+def test_evaluation_forwards_between_steps_are_checked_on_their_own():
+    model = tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    batch = gpt2_batch()
+    with NumericsMonitor(model, optimizer=opt) as mon:
+        train_step(model, opt, batch)
+        with torch.no_grad():
+            for _ in range(5):
+                with SyncCounter() as c:
+                    model(**batch)
+                assert c.count == 1  # one read per evaluation forward
+        assert mon._frames == []  # nothing piled onto the next training step
+        train_step(model, opt, batch)
+        assert mon.step_index == 2
+        with torch.no_grad():
+            model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("inf")
+            with pytest.raises(NonFiniteError) as exc:
+                model(**batch)
+    assert exc.value.first.module == "transformer.h.0.mlp.c_fc"
+    assert "torch.no_grad()" in exc.value.report

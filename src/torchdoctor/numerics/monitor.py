@@ -176,6 +176,7 @@ class NumericsMonitor:
         self._optimizer_stepped = False
         self._backward_ran = False
         self._trace_file: TextIO | None = None
+        self._stash: tuple[list[Frame], StatBuffer, dict] | None = None
         self._history: deque[_Step] = deque()
         self._handles: list[Any] = []
         self._restore: list[tuple[Any, str, Any]] = []
@@ -216,7 +217,8 @@ class NumericsMonitor:
 
             self.scaler.update = update
         self._active = True
-        self._check_weights_once()
+        if not self._hf:  # transformers reports broken weights in the first forward's frames instead
+            self._check_weights_once()
 
     def close(self) -> None:
         """Remove every hook (safe to call twice) and close the trace file."""
@@ -259,6 +261,7 @@ class NumericsMonitor:
         self._optimizer_stepped = False
 
     def _slot(self, label: str, value: Any) -> Slot:
+        """Measure ``value`` once: an output passed on as the next module's input is not measured again."""
         if isinstance(value, torch.Tensor):
             key = id(value)
             seen = self._seen.get(key)
@@ -270,8 +273,20 @@ class NumericsMonitor:
             return slot
         return measure(self._buffer, label, value)
 
+    def _steps_end_at_forward(self) -> bool:
+        return self.optimizer is None and not self._manual and self.scaler is None
+
     def _on_root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if not self._active or torch._C._current_graph_task_id() != -1:
+            return
+        if self._stash is not None and torch.is_grad_enabled():  # an evaluation forward raised midway
+            self._frames, self._buffer, self._seen = self._stash
+            self._stash = None
+        if not torch.is_grad_enabled() and not self._steps_end_at_forward() and self._stash is None:
+            # an evaluation / generation forward between training steps: checked on its own at its end,
+            # so that a long evaluation loop does not pile its frames onto the training step
+            self._stash = (self._frames, self._buffer, self._seen)
+            self._frames, self._buffer, self._seen = [], StatBuffer(), {}
             return
         # A backward ran, yet every gradient is None again: the optimizer step was skipped (a loss
         # scaler saw an overflow) and zero_grad() ran. Close that step now.
@@ -302,8 +317,22 @@ class NumericsMonitor:
             self._on_root_forward_end()
 
     def _on_root_forward_end(self) -> None:
-        if self.optimizer is None and not self._manual and self.scaler is None:
+        if self._stash is not None:
+            self._close_inference_pass()
+        elif self._steps_end_at_forward():
             self._close_step("forward")
+
+    def _close_inference_pass(self) -> None:
+        """Check a no-grad forward made between training steps (one host read), then resume the step."""
+        flag = all_finite(self._buffer.finite_flags())
+        frames, buffer = self._frames, self._buffer
+        self._frames, self._buffer, self._seen = self._stash
+        self._stash = None
+        if flag is not None and not bool(flag.item()):
+            report = build_report(self._resolved([_Step(frames, buffer)]), self.max_frames, self.rank)
+            assert report is not None
+            report.notes.append("This was a forward under torch.no_grad() (evaluation or generation).")
+            self._raise(report)
 
     def _hook_backward_seen(self, output: Any) -> None:
         """One cheap hook on the root output that notes that a backward ran (for skipped steps)."""

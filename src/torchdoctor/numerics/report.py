@@ -119,6 +119,17 @@ def find_first_bad(frames: list[ResolvedFrame]) -> tuple[int, Line] | None:
     return None
 
 
+def _square_overflow(frame: ResolvedFrame) -> tuple[Line, float] | None:
+    """A finite input of ``frame`` large enough that its square overflows its dtype, if any."""
+    for line in frame.lines:
+        top = _dtype_max(line.dtype)
+        if line.label.startswith("input") and top and line.finite and line.abs_max is not None:
+            root = math.sqrt(top)
+            if line.abs_max >= root:
+                return line, root
+    return None
+
+
 def _produced_earlier(frames: list[ResolvedFrame], index: int, line: Line) -> bool:
     """Was this very tensor an output of an earlier frame of the same step?"""
     step = frames[index].step
@@ -249,6 +260,16 @@ def diagnose(frames: list[ResolvedFrame], index: int, line: Line) -> tuple[str, 
             fix_target,
         )
     if what == "nan":
+        big = _square_overflow(frame)
+        if big is not None:
+            big_line, root = big
+            return (
+                f"{frame.name} ({frame.cls}) produced nan from a finite {big_line.label} whose abs max "
+                f"{big_line.abs_max:.2e} is above sqrt({_dtype_name(big_line.dtype)} max) = {root:.2e}: squaring it "
+                "(the variance of a norm, a dot product) overflows to inf, and inf/inf or inf-inf is nan. "
+                f"Keep {frame.name} in fp32, and look in the frames above for why the activations grew so large.",
+                frame.name or None,
+            )
         return (
             f"{frame.name} ({frame.cls}) produced nan from finite inputs: an invalid operation (0/0, inf-inf, "
             f"log or sqrt of a negative number, a softmax over a fully masked row) inside its forward.",

@@ -1,0 +1,53 @@
+"""The numerics monitor inside the Hugging Face ``Trainer``.
+
+Example::
+
+    from torchdoctor.integrations.hf import NumericsCallback
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[NumericsCallback()])
+    trainer.train()     # raises torchdoctor.NonFiniteError at the first inf/nan, before the update
+
+The Trainer hands callbacks accelerate's ``AcceleratedOptimizer``; the monitor hooks the torch
+optimizer inside it (``.optimizer``) and, under ``fp16=True``, the ``GradScaler`` accelerate uses
+(``.scaler``), so the scaler's overflow steps are recorded, not raised. Reports go to
+``args.output_dir`` unless ``report_dir`` is given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ..numerics.monitor import NumericsMonitor
+
+
+class NumericsCallback(TrainerCallback):
+    """Attach a :class:`~torchdoctor.NumericsMonitor` for the length of ``trainer.train()``.
+
+    Args:
+        **monitor_kwargs: passed to :class:`~torchdoctor.NumericsMonitor` (``grads``, ``max_frames``,
+            ``trace_steps``, ``abort_after_step``, ``report_dir`` ...).
+    """
+
+    def __init__(self, **monitor_kwargs: Any) -> None:
+        for reserved in ("model", "optimizer", "scaler"):
+            if reserved in monitor_kwargs:
+                raise TypeError(f"NumericsCallback takes {reserved!r} from the Trainer; do not pass it")
+        self.monitor_kwargs = monitor_kwargs
+        self.monitor: NumericsMonitor | None = None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):  # noqa: ANN001
+        if model is None or optimizer is None:
+            raise RuntimeError("the Trainer passed no model or optimizer to NumericsCallback.on_train_begin")
+        self.close()
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+        kwargs_ = {"report_dir": args.output_dir, **self.monitor_kwargs}
+        self.monitor = NumericsMonitor(model, optimizer=inner, scaler=getattr(optimizer, "scaler", None), **kwargs_)
+
+    def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        self.close()
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+            self.monitor = None
