@@ -262,3 +262,35 @@ def test_pickle_and_deepcopy_keep_the_guard() -> None:
         assert all("forward" not in m.__dict__ for m in clone.modules())
     guard.remove()
     assert b"_Fp32Forward" not in pickle.dumps(net)
+
+
+def test_transformers_t5_glob_from_the_guide() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=3,
+        num_heads=4,
+        feed_forward_proj="gated-gelu",
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config)
+    ids = torch.randint(0, 64, (2, 8))
+    dtypes: dict[str, torch.dtype] = {}
+    target = model.get_submodule("encoder.block.2.layer.1.DenseReluDense")
+    target.register_forward_hook(lambda m, i, o: dtypes.__setitem__("ffn", o.dtype))
+    target.wo.register_forward_hook(lambda m, i, o: dtypes.__setitem__("wo", o.dtype))
+    with keep_fp32(model, "encoder.block.*.layer.1.DenseReluDense") as guard:
+        assert guard.names == [f"encoder.block.{i}.layer.1.DenseReluDense" for i in range(3)]
+        # Trainer reads forward's signature to drop unused dataset columns.
+        assert list(inspect.signature(target.forward).parameters) == ["hidden_states"]
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    assert dtypes == {"ffn": torch.float32, "wo": torch.float32}
+    assert torch.isfinite(loss)
+    assert target.wo.weight.grad is not None

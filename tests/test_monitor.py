@@ -383,3 +383,12 @@ def test_evaluation_forwards_between_steps_are_checked_on_their_own():
                 model(**batch)
     assert exc.value.first.module == "transformer.h.0.mlp.c_fc"
     assert "torch.no_grad()" in exc.value.report
+
+
+def test_a_model_with_broken_weights_is_refused_at_attach_without_leaving_hooks():
+    model = tiny_gpt2()
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")  # tied to the embedding: transformer.wte.weight
+    with pytest.raises(ValueError, match=r"parameter transformer\.wte\.weight .* already non-finite"):
+        NumericsMonitor(model)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

@@ -189,7 +189,7 @@ class _Fp32Forward:
     Holds the module weakly so that installing it creates no reference cycle.
     """
 
-    __slots__ = ("_module_ref", "previous", "cast_output", "enabled", "__weakref__")
+    __slots__ = ("_module_ref", "previous", "cast_output", "enabled")
 
     def __init__(self, module: nn.Module, previous: Callable[..., Any] | None, cast_output: bool) -> None:
         self._module_ref = weakref.ref(module)
@@ -385,15 +385,11 @@ def _resolve(
         return _match(model, target)
     if pattern is not None:
         if not isinstance(target, nn.Module):
-            raise ValueError(
-                f"keep_fp32: with a pattern, target must be the root nn.Module, got {type(target)}"
-            )
+            raise ValueError(f"keep_fp32: with a pattern, target must be the root nn.Module, got {type(target)}")
         if model is not None:
             raise ValueError("keep_fp32: pass either a root module with a pattern, or model=, not both")
         if not isinstance(pattern, (str, re.Pattern)):
-            raise ValueError(
-                f"keep_fp32: pattern must be a glob string or a compiled regex, got {type(pattern)}"
-            )
+            raise ValueError(f"keep_fp32: pattern must be a glob string or a compiled regex, got {type(pattern)}")
         return _match(target, pattern)
 
     targets = [target] if isinstance(target, nn.Module) else target

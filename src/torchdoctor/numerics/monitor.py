@@ -182,7 +182,11 @@ class NumericsMonitor:
         self._restore: list[tuple[Any, str, Any]] = []
         self._active = False
         self._new_step()
-        self._attach()
+        try:
+            self._attach()
+        except BaseException:
+            self.close()  # a refused or failed attach leaves no hook behind
+            raise
 
     # ------------------------------------------------------------------ lifecycle
     def _attach(self) -> None:
