@@ -1,6 +1,6 @@
 """Run under torchrun (gloo): DDP training where rank 1 alone gets a non-finite input at step 2.
 
-Prints one JSON line per rank with what its monitor reported. Used by tests/test_ddp.py.
+Writes result-rank<r>.json (what its monitor reported) into the report folder; used by tests/test_ddp.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def main(report_dir: str) -> None:
     except NonFiniteError as e:
         result["error"] = {"first": e.first.to_json() if e.first else None, "report": e.report}
     result["steps"] = mon.step_index
-    print(json.dumps(result), flush=True)
+    with open(os.path.join(report_dir, f"result-rank{rank}.json"), "w") as fh:  # stdout would interleave
+        json.dump(result, fh)
     dist.destroy_process_group()
 
 

@@ -52,7 +52,7 @@ from .frames import BWD, FWD, MARK, Frame, ModuleInfo, ResolvedFrame, Slot, meas
 from .render import format_frame, hf_header
 from .report import NonFiniteReport, build_report
 from .slots import input_slots, output_slots
-from .stats import StatBuffer, all_finite
+from .stats import StatBuffer, all_finite, finite_flags_of
 
 log = logging.getLogger("torchdoctor.numerics")
 
@@ -418,14 +418,7 @@ class NumericsMonitor:
         self._close_step("skipped")
 
     def _param_grad_flags(self) -> list[torch.Tensor]:
-        grads = [p.grad for p in self._params if p.grad is not None and p.grad.layout is torch.strided]
-        if not grads:
-            return []
-        norms = torch._foreach_norm(grads, float("inf"))
-        by_key: dict[tuple, list[torch.Tensor]] = {}
-        for n in norms:
-            by_key.setdefault((n.device, n.dtype), []).append(n)
-        return [torch.isfinite(torch.stack(v)).all() for v in by_key.values()]
+        return finite_flags_of([p.grad for p in self._params if p.grad is not None])
 
     def _close_step(self, source: str, abort_check: bool = True) -> None:
         """Check the finished step with one host read; raise or record what went wrong."""
@@ -596,14 +589,8 @@ class NumericsMonitor:
 
     def _check_weights_once(self) -> None:
         """At attach time: a weight that is already non-finite is named at once (one sync, once)."""
-        params = [p for p in self.model.parameters() if p.layout is torch.strided and p.numel()]
-        if not params:
-            return
-        floats = [p.detach() for p in params if p.dtype.is_floating_point]
-        if not floats:
-            return
-        flags = [torch.isfinite(n).all() for n in torch._foreach_norm(floats, float("inf"))]
-        if bool(torch.stack([f.cpu() for f in flags]).all()):
+        flag = all_finite(finite_flags_of(list(self.model.parameters())))
+        if flag is None or bool(flag.item()):
             return
         for name, p in self.model.named_parameters():
             if p.dtype.is_floating_point and p.numel() and not math.isfinite(measure_now(name, p).abs_max):
