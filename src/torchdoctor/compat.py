@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .numerics.frames import ResolvedFrame
-from .numerics.monitor import NumericsMonitor
+from .numerics.monitor import NumericsMonitor, _Step
 from .numerics.overflow import detect_overflow
 from .numerics.render import PREFIX, format_frame, hf_header
 from .numerics.report import build_report
@@ -135,9 +135,7 @@ class _HFEngine(NumericsMonitor):
                 f" `abort_after_batch_num={owner.abort_after_batch_num}` arg"
             )
 
-    def _current(self):
-        from .numerics.monitor import _Step
-
+    def _current(self) -> _Step:
         return _Step(self._frames, self._buffer)
 
     def _rotate_step_only(self) -> None:

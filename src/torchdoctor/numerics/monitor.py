@@ -34,6 +34,7 @@ Known limitations:
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import os
@@ -262,7 +263,6 @@ class NumericsMonitor:
         self._seen: dict[int, tuple[weakref.ref, int, Slot]] = {}
         self._grad_targets: dict[int, tuple[weakref.ref, list]] = {}
         self._backward_ran = False
-        self._optimizer_stepped = False
 
     def _slot(self, label: str, value: Any) -> Slot:
         """Measure ``value`` once: an output passed on as the next module's input is not measured again."""
@@ -402,8 +402,8 @@ class NumericsMonitor:
 
     def _on_optimizer_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._active and not self._manual:
-            self._optimizer_stepped = True
             self._close_step("optimizer", abort_check=False)
+            self._optimizer_stepped = True  # scaler.update() of this step has nothing left to check
 
     def _on_optimizer_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._active and not self._manual:
@@ -579,8 +579,6 @@ class NumericsMonitor:
             os.makedirs(self.report_dir, exist_ok=True)
             path = os.path.join(os.fspath(self.report_dir), f"torchdoctor-trace-rank{self.rank or 0}.jsonl")
             self._trace_file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across steps
-        import json
-
         for f in frames:
             out.write("".join(f"{tag}{line}\n" for line in format_frame(f, phase=True)))
             self._trace_file.write(json.dumps(f.to_json()) + "\n")
