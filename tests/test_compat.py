@@ -129,3 +129,31 @@ def test_detect_overflow_matches_transformers(value, capsys):
     assert c.count == 1
     assert ours == theirs
     assert capsys.readouterr().out == their_out
+
+
+def test_context_spanning_earlier_batches_matches_transformers():
+    """A small model overflows in batch 2: the 21 frames shown reach back into batches 0 and 1."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).half()
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)  # 4 x 6e4 > 65504: inf in batch 2 only
+    xs = [torch.randn(3, 4).half() for _ in range(2)] + [torch.full((3, 4), 6e4).half()]
+
+    def run(cls):
+        m = copy.deepcopy(model)
+        cls(m)
+        out, err = io.StringIO(), None
+        with contextlib.redirect_stdout(out):
+            try:
+                for x in xs:
+                    m(x)
+            except ValueError as e:
+                err = str(e)
+        return out.getvalue().split("\n"), err
+
+    theirs, their_err = run(TheirDetector)
+    ours, our_err = run(DebugUnderflowOverflow)
+    assert their_err == our_err and their_err is not None
+    assert "Detected inf/nan during batch_number=2" in theirs
+    assert sum("*** Starting batch number=" in line for line in theirs) >= 2
+    assert_subsequence(theirs, ours)
