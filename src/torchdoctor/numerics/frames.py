@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .slots import NOT_A_TENSOR
 from .stats import StatBuffer, StatRef, abs_min_max, lookup, skip_reason
 
 FWD, BWD, MARK = "fwd", "bwd", "mark"
@@ -128,7 +129,7 @@ def measure(buffer: StatBuffer, label: str, value: Any) -> Slot:
         return Slot(label, ref=buffer.add(value), dtype=value.dtype)
     if value is None:
         return Slot(label, kind="None")
-    return Slot(label, kind=value if isinstance(value, str) else "not a tensor")
+    return Slot(label, kind=NOT_A_TENSOR)
 
 
 def measure_now(label: str, t: torch.Tensor | None, param: bool = False) -> Line:
