@@ -24,7 +24,7 @@ def test_ddp_two_ranks_stop_together_and_name_the_bad_rank(tmp_path):
     bad, good = results[1], results[0]
     # the rank with the inf names it; the other rank stops at the same step instead of hanging
     assert bad["error"]["first"]["phase"] == "fwd" and bad["error"]["first"]["step"] == 2
-    assert bad["error"]["first"]["slot"] == "input[0]"
+    assert bad["error"]["first"]["module"] == "0" and bad["error"]["first"]["slot"] == "output"
     # rank 0's forward was finite; the inf reached its gradients through DDP's all-reduce
     assert good["error"]["first"]["phase"] == "bwd"
     assert "rank(s) [1] produced non-finite activations" in good["error"]["report"]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 from collections import deque
 
-import torch
 from torch import nn
 
 from .numerics.frames import ResolvedFrame
@@ -30,6 +29,7 @@ from .numerics.monitor import NumericsMonitor, _Step
 from .numerics.overflow import detect_overflow
 from .numerics.render import PREFIX, format_frame, hf_header
 from .numerics.report import build_report
+from .numerics.stats import all_finite
 
 __all__ = ["DebugUnderflowOverflow", "detect_overflow"]
 
@@ -124,8 +124,8 @@ class _HFEngine(NumericsMonitor):
             self._history.clear()  # transformers starts its frame buffer afresh after a traced batch
             self._rotate_step_only()
         else:
-            flag = self._buffer.finite_flags()
-            ok = bool(torch.stack(flag).all().item()) if flag else True  # the one host sync
+            flag = all_finite(self._buffer.finite_flags())
+            ok = True if flag is None else bool(flag.item())  # the one host sync
             if not ok:
                 self._dump_and_raise(batch)
             self._rotate()

@@ -120,13 +120,13 @@ def _json_float(v: float | None) -> float | str | None:
     return str(v)  # "inf", "-inf", "nan": JSON has no literals for them
 
 
-def measure(buffer: StatBuffer, label: str, value: Any) -> Slot:
+def measure(buffer: StatBuffer, label: str, value: Any, judged: bool = True) -> Slot:
     """Describe ``value`` as a slot, putting its statistics in ``buffer`` when it is a tensor."""
     if isinstance(value, torch.Tensor):
         reason = skip_reason(value)
         if reason is not None:
             return Slot(label, kind=reason, dtype=value.dtype)
-        return Slot(label, ref=buffer.add(value), dtype=value.dtype)
+        return Slot(label, ref=buffer.add(value, judged), dtype=value.dtype)
     if value is None:
         return Slot(label, kind="None")
     return Slot(label, kind=NOT_A_TENSOR)

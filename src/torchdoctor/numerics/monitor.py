@@ -16,8 +16,12 @@ on their own device (:mod:`.stats`) and keeps only a host-side description of th
 (:mod:`.frames`). A tensor that was just measured as one module's output and comes in as the next
 module's input is measured once. Parameters and their gradients do not change before
 ``optimizer.step()``, so they are measured only when a report is built; the parameter gradients are
-checked once per step with one fused ``_foreach_norm``. At the step boundary everything is folded
-into a single on-device flag read with one ``.item()``.
+checked once per step with one ``aminmax`` each (no temporary). At the step boundary everything is
+folded into a single on-device flag read with one ``.item()``.
+
+Module *inputs* are shown as context but do not by themselves stop a run (an additive ``-inf``
+attention mask is a legitimate input); outputs, gradients, weights and marks do. After a
+``NonFiniteError`` the monitor stops checking: close it and attach a new one to keep watching.
 
 Step boundaries, in order of preference: an optimizer step pre-hook (``optimizer=``; a non-finite
 update is never applied), ``scaler.update()`` of a loss scaler passed as ``scaler=`` (a step the
@@ -51,7 +55,7 @@ from torch import nn
 from .errors import AbortAfterStep, NonFiniteError
 from .frames import BWD, FWD, MARK, Frame, ModuleInfo, ResolvedFrame, Slot, measure, measure_now, resolve
 from .render import format_frame, hf_header
-from .report import NonFiniteReport, build_report
+from .report import NonFiniteReport, build_report, find_first_bad
 from .slots import input_slots, output_slots
 from .stats import StatBuffer, all_finite, finite_flags_of
 
@@ -264,18 +268,19 @@ class NumericsMonitor:
         self._grad_targets: dict[int, tuple[weakref.ref, list]] = {}
         self._backward_ran = False
 
-    def _slot(self, label: str, value: Any) -> Slot:
+    def _slot(self, label: str, value: Any, judged: bool = True) -> Slot:
         """Measure ``value`` once: an output passed on as the next module's input is not measured again."""
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and not value.is_inference():  # no version counter there
             key = id(value)
             seen = self._seen.get(key)
             if seen is not None and seen[0]() is value and seen[1] == value._version:
                 s = seen[2]
-                return Slot(label, s.ref, s.kind, s.dtype)
-            slot = measure(self._buffer, label, value)
+                if s.ref is None or s.ref.judged or not judged:
+                    return Slot(label, s.ref, s.kind, s.dtype)
+            slot = measure(self._buffer, label, value, judged)
             self._seen[key] = (weakref.ref(value), value._version, slot)
             return slot
-        return measure(self._buffer, label, value)
+        return measure(self._buffer, label, value, judged)
 
     def _steps_end_at_forward(self) -> bool:
         return self.optimizer is None and not self._manual and self.scaler is None
@@ -307,7 +312,8 @@ class NumericsMonitor:
                 self._hook_grads(info, output)  # reentrant checkpointing builds its graph only here
             return
         slot = self._slot
-        slots = [slot(label, v) for label, v in input_slots(args, kwargs, self._hf)]
+        judge_inputs = self._hf  # transformers stops on a non-finite input; we show inputs as context
+        slots = [slot(label, v, judge_inputs) for label, v in input_slots(args, kwargs, self._hf)]
         slots += [slot(label, v) for label, v in output_slots(output, self._hf)]
         self._frames.append(
             Frame(self.step_index, FWD, info, slots, with_params=True, first_of_step=not self._frames)
@@ -387,7 +393,7 @@ class NumericsMonitor:
         """Add a frame for an intermediate value, in execution order, without a host sync."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"mark() needs a tensor, got {type(tensor).__name__}")
-        if not self._active:
+        if not self._active or torch._C._current_graph_task_id() != -1:  # not again in recomputation
             return
         info = ModuleInfo(ctx, "mark", weakref.ref(self.model))
         self._frames.append(
@@ -436,7 +442,9 @@ class NumericsMonitor:
         step = self.step_index
         if step in self.trace_steps:
             self._trace(step)
-        if not ok:
+        if ok:
+            self._consecutive_overflows = 0
+        else:
             self._handle_nonfinite(step, source, others, check_grads)
         self._rotate()
         if abort_check and source != "skipped":
@@ -511,12 +519,11 @@ class NumericsMonitor:
         return out
 
     def _handle_nonfinite(self, step: int, source: str, bad_ranks: list[int], check_grads: bool) -> None:
-        history = list(self._history)
-        frames = self._resolved([*history, _Step(self._frames, self._buffer)])
-        current = [f for f in frames if f.step == step]
-        if check_grads and all(f.finite for f in current):
+        context = self._resolved(list(self._history))
+        frames = context + self._resolved([_Step(self._frames, self._buffer)])
+        if check_grads and find_first_bad(frames, len(context), self._hf) is None:
             frames += self._param_grad_frames(step)
-        report = build_report(frames, self.max_frames, self.rank)
+        report = build_report(frames, self.max_frames, self.rank, len(context), self._hf)
         if report is None:  # only another rank saw a non-finite value
             report = NonFiniteReport(step, None, [], "another rank found non-finite values", rank=self.rank)
         report.bad_ranks = bad_ranks
@@ -566,8 +573,11 @@ class NumericsMonitor:
 
     def _raise(self, report: NonFiniteReport) -> None:
         self.report = report
-        report.write(self.report_dir)
         self._active = False  # the run is over; hooks stay until close()
+        try:
+            report.write(self.report_dir)
+        except OSError as e:  # never let a full disk hide the finding itself
+            report.notes.append(f"(could not write the report to {self.report_dir}: {e})")
         raise NonFiniteError(report)
 
     def _trace(self, step: int) -> None:

@@ -104,17 +104,24 @@ class NonFiniteReport:
         return paths
 
 
-def find_first_bad(frames: list[ResolvedFrame]) -> tuple[int, Line] | None:
-    """The first non-finite line in execution order.
+def find_first_bad(
+    frames: list[ResolvedFrame], start: int = 0, judge_inputs: bool = True
+) -> tuple[int, Line] | None:
+    """The first non-finite line in execution order, from ``frames[start]`` on (earlier frames are context).
+
+    With ``judge_inputs=False`` a non-finite *input* does not count by itself (an additive ``-inf``
+    attention mask is a legitimate input); the module output it spoils does.
 
     Parameter gradients (``grad:weight``) are measured when the report is built, so they hold the
     whole backward's sum (a tied weight collects gradients from later modules too): they count only
     when no value measured at its own time is non-finite.
     """
     for timely in (True, False):
-        for i, f in enumerate(frames):
-            for line in f.lines:
-                if not line.finite and not (timely and line.label.startswith("grad:")):
+        for i in range(start, len(frames)):
+            for line in frames[i].lines:
+                if line.finite or (timely and line.label.startswith("grad:")):
+                    continue
+                if judge_inputs or not line.label.startswith("input"):
                     return i, line
     return None
 
@@ -234,17 +241,22 @@ def diagnose(frames: list[ResolvedFrame], index: int, line: Line) -> tuple[str, 
             f"watch gradients (grads='params') so a non-finite update is stopped before it is applied.",
             None,
         )
-    if line.label.startswith("input") and not _produced_earlier(frames, index, line):
+    bad_input = next(
+        (ln for ln in frame.lines if ln.label.startswith("input") and not ln.finite and not ln.param), None
+    )
+    if bad_input is not None and not _produced_earlier(frames, index, bad_input):
+        kind = "nan" if math.isnan(bad_input.abs_max) else "inf"
+        mask = "" if kind == "nan" else " (an additive -inf attention mask is expected; any other inf is not)"
         if frame.first_of_step:
             return (
-                f"the input {line.label} given to {frame.name or 'the model'} ({frame.cls}) is already {what}: "
-                "check the data (or whatever feeds the model).",
+                f"the input {bad_input.label} given to {frame.name or 'the model'} ({frame.cls}) is already "
+                f"{kind}{mask}: check the data (or whatever feeds the model).",
                 None,
             )
         return (
-            f"{frame.name} ({frame.cls}) received an {what} {line.label} that no watched module produced: it was "
-            "computed by plain code between modules. Put mon.mark(tensor, 'label') after the suspect "
-            "lines to find it.",
+            f"{frame.name} ({frame.cls}) received a {kind} {bad_input.label}{mask} that no watched module "
+            "produced: it was computed by plain code between modules. Put mon.mark(tensor, 'label') after the "
+            "suspect lines to find it.",
             None,
         )
     near = _near_max(frames, index)
@@ -283,9 +295,12 @@ def diagnose(frames: list[ResolvedFrame], index: int, line: Line) -> tuple[str, 
     )
 
 
-def build_report(frames: list[ResolvedFrame], max_frames: int, rank: int | None) -> NonFiniteReport | None:
-    """The report for the first non-finite value in ``frames`` (None when all are finite)."""
-    found = find_first_bad(frames)
+def build_report(
+    frames: list[ResolvedFrame], max_frames: int, rank: int | None, start: int = 0, judge_inputs: bool = True
+) -> NonFiniteReport | None:
+    """The report for the first non-finite value in ``frames[start:]`` (None when all are finite);
+    the frames before ``start`` (earlier, already checked steps) are shown as context only."""
+    found = find_first_bad(frames, start, judge_inputs)
     if found is None:
         return None
     index, line = found

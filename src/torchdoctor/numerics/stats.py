@@ -75,30 +75,41 @@ def abs_min_max(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(mins).amin(), torch.stack(maxs).amax()
 
 
+GroupKey = tuple[bool, torch.device, torch.dtype]  # (judged, device, dtype)
+
+
 @dataclass(frozen=True, slots=True)
 class StatRef:
     """Where a tensor's (abs min, abs max) pair lives in a :class:`StatBuffer`."""
 
-    key: tuple[torch.device, torch.dtype]
+    key: GroupKey
     index: int  # position of abs min; abs max is at index + 1
+
+    @property
+    def judged(self) -> bool:
+        return self.key[0]
 
 
 class StatBuffer:
-    """The statistics of one step, on device, grouped by (device, dtype) so they can be stacked."""
+    """The statistics of one step, on device, grouped by (judged, device, dtype) so they can be stacked.
+
+    *Judged* statistics decide whether the step is finite; the others (module inputs, where an
+    additive ``-inf`` mask is legitimate) are context for the report only.
+    """
 
     __slots__ = ("_groups", "_stacked")
 
     def __init__(self) -> None:
-        self._groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        self._stacked: dict[tuple[torch.device, torch.dtype], torch.Tensor] | None = None
+        self._groups: dict[GroupKey, list[torch.Tensor]] = {}
+        self._stacked: dict[GroupKey, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._groups.values()) // 2
 
-    def add(self, t: torch.Tensor) -> StatRef:
+    def add(self, t: torch.Tensor, judged: bool = True) -> StatRef:
         """Reduce ``t`` on its device and keep the two 0-d results. ``t`` must not be skipped."""
         mn, mx = abs_min_max(t)
-        key = (mx.device, mx.dtype)
+        key = (judged, mx.device, mx.dtype)
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = []
@@ -107,18 +118,7 @@ class StatBuffer:
         group.append(mx)
         return StatRef(key, index)
 
-    def add_pairs(self, mins_maxs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[StatRef]:
-        """Keep already-computed (min, max) pairs, e.g. from a fused pass over gradients."""
-        return [self._add_pair(mn, mx) for mn, mx in mins_maxs]
-
-    def _add_pair(self, mn: torch.Tensor, mx: torch.Tensor) -> StatRef:
-        key = (mx.device, mx.dtype)
-        group = self._groups.setdefault(key, [])
-        group.append(mn)
-        group.append(mx)
-        return StatRef(key, len(group) - 2)
-
-    def stacked(self) -> dict[tuple[torch.device, torch.dtype], torch.Tensor]:
+    def stacked(self) -> dict[GroupKey, torch.Tensor]:
         """One device tensor per group (computed once; the buffer is frozen afterwards)."""
         if self._stacked is None:
             self._stacked = {key: torch.stack(vals) for key, vals in self._groups.items()}
@@ -126,10 +126,10 @@ class StatBuffer:
         return self._stacked
 
     def finite_flags(self) -> list[torch.Tensor]:
-        """One 0-d bool tensor per group: are all statistics finite? Still no host sync."""
-        return [torch.isfinite(v).all() for v in self.stacked().values()]
+        """One 0-d bool tensor per judged group: are all its statistics finite? Still no host sync."""
+        return [torch.isfinite(v).all() for key, v in self.stacked().items() if key[0]]
 
-    def read(self) -> dict[tuple[torch.device, torch.dtype], list[float]]:
+    def read(self) -> dict[GroupKey, list[float]]:
         """Host copy of every statistic (the report path; syncs once per group)."""
         return {key: v.detach().cpu().double().tolist() for key, v in self.stacked().items()}
 
@@ -165,11 +165,12 @@ def all_finite(flags: list[torch.Tensor]) -> torch.Tensor | None:
     folded = [torch.stack(fs).all() for fs in by_device.values()]
     if len(folded) == 1:
         return folded[0]
-    # model split over devices: gather the few flags on the first device (async copies)
-    first = folded[0].device
-    return torch.stack([f.to(first, non_blocking=True) for f in folded]).all()
+    # model split over devices: gather the few flags on an accelerator if there is one (a
+    # non_blocking copy *to* the CPU could be read before it lands), else on the CPU
+    target = next((f.device for f in folded if f.device.type != "cpu"), folded[0].device)
+    return torch.stack([f.to(target, non_blocking=target.type != "cpu") for f in folded]).all()
 
 
-def lookup(values: dict[tuple[torch.device, torch.dtype], list[float]], ref: StatRef) -> tuple[float, float]:
+def lookup(values: dict[GroupKey, list[float]], ref: StatRef) -> tuple[float, float]:
     group = values[ref.key]
     return group[ref.index], group[ref.index + 1]
