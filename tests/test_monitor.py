@@ -296,8 +296,11 @@ def test_forward_that_raises_keeps_hooks_consistent():
     with NumericsMonitor(model) as mon:
         with pytest.raises(RuntimeError, match="user error"):
             model(torch.full((1, 2), 1e7))
+        assert mon._frames == []  # the failed forward left nothing behind
         model(torch.ones(1, 2))
-        assert mon.step_index == 1
+        frames_of_one_forward = len(mon._frames)
+        model(torch.ones(1, 2))  # a training forward's step closes when the next one starts
+        assert mon.step_index == 1 and len(mon._frames) == frames_of_one_forward
     assert not any(m._forward_hooks for m in model.modules())
 
 
@@ -394,3 +397,114 @@ def test_a_model_with_broken_weights_is_refused_at_attach_without_leaving_hooks(
     with pytest.raises(ValueError, match=r"parameter transformer\.wte\.weight .* already non-finite"):
         NumericsMonitor(model)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_occasional_overflows_do_not_add_up_to_a_collapse():
+    torch.manual_seed(0)
+    model = boom_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    x = torch.randn(4, 8)
+    with NumericsMonitor(model, optimizer=opt, scaler=scaler, max_consecutive_overflows=2) as mon:
+        for i in range(9):
+            model.boom.enabled = i % 3 == 0
+            scaler.scale(model(x).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert [e.step for e in mon.overflows] == [0, 3, 6]  # never two in a row: no abort
+
+
+def test_without_optimizer_steps_are_counted_by_step_and_backward_is_checked():
+    model = boom_mlp()
+    x = torch.randn(4, 8)
+    with NumericsMonitor(model, grads="modules") as mon:
+        model.boom.enabled = False  # healthy first
+        for _ in range(3):
+            model(x).sum().backward()
+            mon.step()
+        assert mon.step_index == 3
+    model2 = boom_mlp()
+    with pytest.raises(NonFiniteError) as exc, NumericsMonitor(model2, grads="modules"):
+        model2(x).sum().backward()  # no step() and no optimizer: checked when the with block ends
+    assert exc.value.first.phase == "bwd" and exc.value.first.module == "boom"
+
+
+def test_scaler_without_optimizer_still_counts_steps_and_aborts():
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(AbortAfterStep), NumericsMonitor(model, scaler=scaler, abort_after_step=1) as mon:
+        for _ in range(5):
+            scaler.scale(model(torch.randn(2, 8)).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert mon.step_index == 2
+
+
+def test_unpassed_scaler_overflows_are_recorded_at_params_level():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+    mon = _scaled_run(model, opt, scaler, 6, {"grads": "params"}, pass_scaler=False)
+    assert mon.overflows and mon.overflows[0].step == 0
+    assert mon.overflows[0].slot.startswith("grad:")  # seen at zero_grad(), while the gradients existed
+
+
+class Log(torch.nn.Module):
+    def forward(self, x):
+        return torch.log(x)  # nan for negative inputs
+
+
+class LogThenSample(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.log = Log()
+
+    def forward(self, x):
+        return torch.multinomial(self.log(self.lin(x)).softmax(-1), 1)  # raises on the nan probabilities
+
+
+def test_a_forward_that_raises_after_a_nan_still_reports_it(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(LogThenSample())
+    with NumericsMonitor(model, report_dir=tmp_path) as mon, pytest.raises(RuntimeError) as exc:
+        model(torch.randn(3, 4))
+    assert mon.report is not None and mon.report.first.module == "0.log"
+    assert "produced nan from finite inputs" in mon.report.diagnosis
+    assert (tmp_path / "torchdoctor-nonfinite-rank0.txt").exists()
+    if hasattr(exc.value, "__notes__"):
+        assert any("torchdoctor" in n for n in exc.value.__notes__)
+
+
+def test_causal_minus_inf_mask_is_not_a_false_alarm():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    assert torch.isinf(mask).any()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with NumericsMonitor(model, optimizer=opt, grads="modules") as mon:
+        for _ in range(2):
+            model(torch.randn(2, 5, 16), mask=mask, is_causal=True).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert mon.step_index == 2
+
+
+def test_inference_mode_and_submodules_called_alone_under_no_grad():
+    model = tiny_t5()
+    batch = t5_batch()
+    opt = torch.optim.AdamW(model.parameters())
+    with NumericsMonitor(model, optimizer=opt) as mon:
+        with torch.inference_mode():
+            model(**batch)
+        with torch.no_grad():
+            for _ in range(3):
+                model.encoder(input_ids=batch["input_ids"])  # as generate() does
+        assert mon._frames == []
+        train_step(model, opt, batch)
+        assert mon.step_index == 1

@@ -127,7 +127,8 @@ class _HFEngine(NumericsMonitor):
             flag = all_finite(self._buffer.finite_flags())
             ok = True if flag is None else bool(flag.item())  # the one host sync
             if not ok:
-                self._dump_and_raise(batch)
+                self._dump(batch)
+                raise ValueError(_DETECTED)
             self._rotate()
         if owner.abort_after_batch_num is not None and self.step_index > owner.abort_after_batch_num:
             raise ValueError(
@@ -142,7 +143,17 @@ class _HFEngine(NumericsMonitor):
         self.step_index += 1
         self._new_step()
 
-    def _dump_and_raise(self, batch: int) -> None:
+    def _on_root_forward_failed(self) -> None:
+        """transformers raises its ValueError from the first bad module's hook, before the forward can
+        fail on its own; here the forward's own exception propagates (torch silences ours), so print
+        the same report before it."""
+        flag = all_finite(self._buffer.finite_flags())
+        if flag is not None and not bool(flag.item()):
+            self._dump(self.step_index)
+        else:
+            del self._frames[self._forward_start :]
+
+    def _dump(self, batch: int) -> None:
         frames = self._resolved([*self._history, self._current()])
         report = build_report(frames, self.max_frames, self.rank)
         assert report is not None and report.first is not None
@@ -161,4 +172,3 @@ class _HFEngine(NumericsMonitor):
             self._print(f"torchdoctor fix: {report.fix}")
         self._active = False
         self.report = report
-        raise ValueError(_DETECTED)

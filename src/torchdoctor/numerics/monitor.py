@@ -182,6 +182,10 @@ class NumericsMonitor:
         self._backward_ran = False
         self._trace_file: TextIO | None = None
         self._stash: tuple[list[Frame], StatBuffer, dict] | None = None
+        self._root_depth = 0  # root forwards in flight
+        self._root_done = False  # the root's own hook ran (so the always-called hook knows it did not fail)
+        self._forward_pending = False  # forward-bounded steps: a training forward awaits its backward
+        self._forward_start = 0  # index in _frames where the current root forward began
         self._history: deque[_Step] = deque()
         self._handles: list[Any] = []
         self._restore: list[tuple[Any, str, Any]] = []
@@ -212,25 +216,38 @@ class NumericsMonitor:
                 module.register_forward_hook(functools.partial(self._on_forward, info), with_kwargs=True)
             )
         self._handles.append(self.model.register_forward_pre_hook(self._on_root_pre_forward))
+        # runs after the root's own hook, and also when the forward raises (then only this one runs)
+        self._handles.append(
+            self.model.register_forward_hook(self._on_root_forward_always, with_kwargs=True, always_call=True)
+        )
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._on_optimizer_pre_step))
             self._handles.append(self.optimizer.register_step_post_hook(self._on_optimizer_post_step))
+            if self.scaler is None:
+                self._wrap(self.optimizer, "zero_grad", self._on_zero_grad)
         if self.scaler is not None:
-            original = self.scaler.update
-            self._restore.append((self.scaler, "update", self.scaler.__dict__.get("update")))
-
-            @functools.wraps(original)
-            def update(*args: Any, **kwargs: Any) -> Any:
-                self._on_scaler_update()
-                return original(*args, **kwargs)
-
-            self.scaler.update = update
+            self._wrap(self.scaler, "update", self._on_scaler_update)
         self._active = True
         if not self._hf:  # transformers reports broken weights in the first forward's frames instead
             self._check_weights_once()
 
+    def _wrap(self, obj: Any, attr: str, before: Any) -> None:
+        """Shadow ``obj.attr`` with an instance attribute that calls ``before()`` first; undone by close()."""
+        original = getattr(obj, attr)
+        self._restore.append((obj, attr, obj.__dict__.get(attr)))
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            before()
+            return original(*args, **kwargs)
+
+        setattr(obj, attr, wrapper)
+
     def close(self) -> None:
-        """Remove every hook (safe to call twice) and close the trace file."""
+        """Remove every hook (safe to call twice) and close the trace file.
+
+        Leaving a ``with`` block without an exception also checks the last, still open step.
+        """
         self._active = False
         for h in self._handles:
             h.remove()
@@ -253,8 +270,12 @@ class NumericsMonitor:
     def __enter__(self) -> NumericsMonitor:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        try:
+            if exc_type is None and self._active and (self._frames or self._backward_ran):
+                self._close_step("final")
+        finally:
+            self.close()
 
     def __del__(self) -> None:  # pragma: no cover - best effort
         if getattr(self, "_active", False):
@@ -288,6 +309,12 @@ class NumericsMonitor:
     def _on_root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if not self._active or torch._C._current_graph_task_id() != -1:
             return
+        self._root_depth += 1
+        if self._root_depth > 1:  # a nested call of the root from inside its own forward
+            return
+        if self._forward_pending and self._steps_end_at_forward():
+            self._forward_pending = False
+            self._close_step("forward")  # the previous forward and the backward that followed it
         if self._stash is not None and torch.is_grad_enabled():  # an evaluation forward raised midway
             self._frames, self._buffer, self._seen = self._stash
             self._stash = None
@@ -302,6 +329,7 @@ class NumericsMonitor:
         skipped_possible = self._backward_ran and not self._manual and self.optimizer is not None
         if skipped_possible and self.scaler is None and all(p.grad is None for p in self._params):
             self._close_step("skipped")
+        self._forward_start = len(self._frames)
 
     def _on_forward(self, info: ModuleInfo, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._active:
@@ -311,6 +339,8 @@ class NumericsMonitor:
             if self.grads == "modules" and torch.is_grad_enabled():
                 self._hook_grads(info, output)  # reentrant checkpointing builds its graph only here
             return
+        if not self._root_depth and not info.is_root and not torch.is_grad_enabled() and not self._hf:
+            return  # a submodule called on its own under no_grad (e.g. generate() running the encoder)
         slot = self._slot
         judge_inputs = self._hf  # transformers stops on a non-finite input; we show inputs as context
         slots = [slot(label, v, judge_inputs) for label, v in input_slots(args, kwargs, self._hf)]
@@ -323,14 +353,59 @@ class NumericsMonitor:
                 self._hook_grads(info, output)
             elif info.is_root:
                 self._hook_backward_seen(output)
-        if info.is_root:
+        if info.is_root and self._root_depth <= 1:
+            self._root_done = True
             self._on_root_forward_end()
 
     def _on_root_forward_end(self) -> None:
         if self._stash is not None:
             self._close_inference_pass()
         elif self._steps_end_at_forward():
-            self._close_step("forward")
+            if self._hf or not torch.is_grad_enabled():
+                self._close_step("forward")
+            else:  # a backward may follow: close at the next forward, step() or leaving the with block
+                self._forward_pending = True
+
+    def _on_root_forward_always(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self._root_depth = max(0, self._root_depth - 1)
+        if self._root_done or self._root_depth or not self._active:
+            self._root_done = False
+            return
+        self._on_root_forward_failed()
+
+    def _on_root_forward_failed(self) -> None:
+        """The root forward raised. If a non-finite value came first, say so; else forget its frames.
+
+        torch silences exceptions raised here (the forward's own exception is re-raised), so the
+        report is written to disk, logged, and attached to that exception as a note.
+        """
+        flag = all_finite(self._buffer.finite_flags())
+        if flag is not None and not bool(flag.item()):
+            context = self._resolved(list(self._history))
+            frames = context + self._resolved([_Step(self._frames, self._buffer)])
+            report = build_report(frames, self.max_frames, self.rank, len(context), self._hf)
+            if report is not None:
+                self._on_failed_forward_report(report)
+                return
+        del self._frames[self._forward_start :]
+        if self._stash is not None:
+            self._frames, self._buffer, self._seen = self._stash
+            self._stash = None
+
+    def _on_failed_forward_report(self, report: NonFiniteReport) -> None:
+        report.notes.append("The forward then raised an exception of its own (see the traceback).")
+        self.report = report
+        self._active = False
+        try:
+            report.write(self.report_dir)
+        except OSError as e:
+            report.notes.append(f"(could not write the report to {self.report_dir}: {e})")
+        log.error("non-finite value before the forward raised:\n%s", report.text())
+        exc = sys.exc_info()[1]
+        if exc is not None and hasattr(exc, "add_note"):
+            exc.add_note("torchdoctor: " + report.text())
 
     def _close_inference_pass(self) -> None:
         """Check a no-grad forward made between training steps (one host read), then resume the step."""
@@ -404,6 +479,7 @@ class NumericsMonitor:
     def step(self) -> None:
         """End a training step by hand (when no optimizer was given): check it, then start the next."""
         self._manual = True
+        self._forward_pending = False
         self._close_step("manual")
 
     def _on_optimizer_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -421,14 +497,21 @@ class NumericsMonitor:
         if self._optimizer_stepped:  # the optimizer pre-hook already checked this step
             self._optimizer_stepped = False
             return
-        self._close_step("skipped")
+        # with an optimizer, reaching here means the scaler skipped its step; without one, it is the boundary
+        self._close_step("skipped" if self.optimizer is not None else "scaler")
+
+    def _on_zero_grad(self) -> None:
+        """zero_grad() after a backward but no optimizer step: the step was skipped (by a loss scaler
+        that was not passed as ``scaler=``). Check it now, while its gradients still exist."""
+        if self._active and not self._manual and self._backward_ran:
+            self._close_step("skipped")
 
     def _param_grad_flags(self) -> list[torch.Tensor]:
         return finite_flags_of([p.grad for p in self._params if p.grad is not None])
 
     def _close_step(self, source: str, abort_check: bool = True) -> None:
         """Check the finished step with one host read; raise or record what went wrong."""
-        if not self._frames and not self._backward_ran and source in ("forward", "skipped"):
+        if not self._frames and not self._backward_ran and source in ("forward", "skipped", "final"):
             return
         act_ok = all_finite(self._buffer.finite_flags())  # activations (and module-level gradients)
         check_grads = self.grads != "none" and source != "forward"
@@ -535,7 +618,7 @@ class NumericsMonitor:
             )
             report.fix = report.fp32_region = None
         only_backward = report.first is not None and report.first.phase == BWD
-        if only_backward and source == "skipped":
+        if only_backward and source in ("skipped", "scaler"):
             self._record_overflow(step, report)
             return
         if self.grads == "params" and only_backward:
