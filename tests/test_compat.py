@@ -157,3 +157,32 @@ def test_context_spanning_earlier_batches_matches_transformers():
     assert "Detected inf/nan during batch_number=2" in theirs
     assert sum("*** Starting batch number=" in line for line in theirs) >= 2
     assert_subsequence(theirs, ours)
+
+
+class NanAndInf(torch.nn.Module):
+    def forward(self, x):
+        return torch.cat([x / 0.0, (x - x) / 0.0])  # inf and nan in one tensor
+
+
+@pytest.mark.parametrize("trace", [False, True])
+def test_a_tensor_with_both_nan_and_inf_prints_both_lines(trace):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), NanAndInf())
+    kwargs = {"trace_batch_nums": [0]} if trace else {}
+    batches = [{"input": torch.ones(1, 2)}]
+
+    def call(cls):
+        m = copy.deepcopy(model)
+        cls(m, **kwargs)
+        out, err = io.StringIO(), None
+        with contextlib.redirect_stdout(out):
+            try:
+                m(batches[0]["input"])
+            except ValueError as e:
+                err = str(e)
+        return out.getvalue().split("\n"), err
+
+    theirs, their_err = call(TheirDetector)
+    ours, our_err = call(DebugUnderflowOverflow)
+    assert their_err == our_err
+    assert "output has nans" in theirs and "output has infs" in theirs
+    assert_subsequence(theirs, ours)

@@ -95,14 +95,15 @@ class _HFEngine(NumericsMonitor):
         print(self._tag(text))
 
     def _overflow_messages(self, frame: ResolvedFrame) -> None:
-        """transformers prints "<slot> has nans/infs" while it measures a frame (before printing it).
-
-        An abs max of nan cannot tell whether the tensor also held an inf, so a tensor with both
-        prints only "has nans" here (transformers would print both lines).
-        """
+        """transformers prints "<slot> has nans" and/or "<slot> has infs" while it measures a frame."""
         for line in frame.lines:
-            if not line.finite:
-                self._print(f"{line.label} has {'nans' if math.isnan(line.abs_max) else 'infs'}")
+            if line.finite:
+                continue
+            has_nan = math.isnan(line.abs_max)
+            if has_nan:
+                self._print(f"{line.label} has nans")
+            if not has_nan or line.has_inf:
+                self._print(f"{line.label} has infs")
 
     def _hf_frame(self, frame: ResolvedFrame) -> str:
         lines = format_frame(frame, phase=False)

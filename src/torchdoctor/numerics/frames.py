@@ -44,6 +44,7 @@ class Slot:
     ref: StatRef | None = None
     kind: str | None = None
     dtype: torch.dtype | None = None
+    inf_ref: StatRef | None = None  # compat mode: "also holds an inf" (abs max alone says only nan)
 
 
 @dataclass(slots=True, eq=False)
@@ -72,6 +73,7 @@ class Line:
     dtype: torch.dtype | None = None
     param: bool = False  # a direct parameter of the module (its value, not its gradient)
     ref: StatRef | None = None  # identity of the measured tensor within its step
+    has_inf: bool | None = None  # known only in compat mode and for tensors measured at report time
 
     @property
     def finite(self) -> bool:
@@ -140,8 +142,9 @@ def measure_now(label: str, t: torch.Tensor | None, param: bool = False) -> Line
     if reason is not None:
         return Line(label, kind=reason, dtype=t.dtype, param=param)
     mn, mx = abs_min_max(t)
-    pair = torch.stack([mn.double(), mx.double()]).cpu().tolist()
-    return Line(label, pair[0], pair[1], dtype=t.dtype, param=param)
+    has_inf = torch.isinf(t).any() if t.dtype.is_floating_point or t.dtype.is_complex else torch.tensor(False)
+    values = torch.stack([mn.double(), mx.double(), has_inf.double().to(mn.device)]).cpu().tolist()
+    return Line(label, values[0], values[1], dtype=t.dtype, param=param, has_inf=bool(values[2]))
 
 
 def resolve(frames: list[Frame], values: dict) -> list[ResolvedFrame]:
@@ -158,7 +161,8 @@ def resolve(frames: list[Frame], values: dict) -> list[ResolvedFrame]:
         for s in f.slots:
             if s.ref is not None:
                 mn, mx = lookup(values, s.ref)
-                rf.lines.append(Line(s.label, mn, mx, dtype=s.dtype, ref=s.ref))
+                has_inf = bool(lookup(values, s.inf_ref)[0]) if s.inf_ref is not None else None
+                rf.lines.append(Line(s.label, mn, mx, dtype=s.dtype, ref=s.ref, has_inf=has_inf))
             else:
                 rf.lines.append(Line(s.label, kind=s.kind, dtype=s.dtype))
         if f.with_param_grads and module is not None:

@@ -37,6 +37,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -297,11 +298,19 @@ class NumericsMonitor:
             if seen is not None and seen[0]() is value and seen[1] == value._version:
                 s = seen[2]
                 if s.ref is None or s.ref.judged or not judged:
-                    return Slot(label, s.ref, s.kind, s.dtype)
-            slot = measure(self._buffer, label, value, judged)
+                    return dataclasses.replace(s, label=label)
+            slot = self._measure(label, value, judged)
             self._seen[key] = (weakref.ref(value), value._version, slot)
             return slot
-        return measure(self._buffer, label, value, judged)
+        return self._measure(label, value, judged)
+
+    def _measure(self, label: str, value: Any, judged: bool) -> Slot:
+        slot = measure(self._buffer, label, value, judged)
+        if self._hf and slot.ref is not None and (value.dtype.is_floating_point or value.dtype.is_complex):
+            # transformers prints "has infs" next to "has nans" for a tensor holding both; abs max
+            # cannot tell, so compat mode pays one more reduction per tensor to know
+            slot.inf_ref = self._buffer.add_flag(torch.isinf(value).any())
+        return slot
 
     def _steps_end_at_forward(self) -> bool:
         return self.optimizer is None and not self._manual and self.scaler is None

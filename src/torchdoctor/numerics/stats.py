@@ -118,6 +118,15 @@ class StatBuffer:
         group.append(mx)
         return StatRef(key, index)
 
+    def add_flag(self, flag: torch.Tensor) -> StatRef:
+        """Keep a 0-d bool as context (never judged), e.g. "this tensor also holds an inf"."""
+        value = flag.to(torch.uint8)
+        key = (False, value.device, value.dtype)
+        group = self._groups.setdefault(key, [])
+        group.append(value)
+        group.append(value)  # entries come in pairs: the flag is both "min" and "max"
+        return StatRef(key, len(group) - 2)
+
     def stacked(self) -> dict[GroupKey, torch.Tensor]:
         """One device tensor per group (computed once; the buffer is frozen afterwards)."""
         if self._stacked is None:
