@@ -37,7 +37,6 @@ Known limitations:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -298,7 +297,7 @@ class NumericsMonitor:
             if seen is not None and seen[0]() is value and seen[1] == value._version:
                 s = seen[2]
                 if s.ref is None or s.ref.judged or not judged:
-                    return dataclasses.replace(s, label=label)
+                    return Slot(label, s.ref, s.kind, s.dtype, s.inf_ref)
             slot = self._measure(label, value, judged)
             self._seen[key] = (weakref.ref(value), value._version, slot)
             return slot
