@@ -186,3 +186,35 @@ def test_a_tensor_with_both_nan_and_inf_prints_both_lines(trace):
     assert their_err == our_err
     assert "output has nans" in theirs and "output has infs" in theirs
     assert_subsequence(theirs, ours)
+
+
+class MayFail(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+
+    def forward(self, x, fail=False):
+        h = self.a(x)
+        if fail:
+            raise RuntimeError("simulated OOM")
+        return self.b(h)
+
+
+def test_parity_after_a_forward_that_raised():
+    torch.manual_seed(0)
+    base = MayFail()
+    xs = [(torch.randn(2, 4), False), (torch.randn(2, 4), True), (torch.full((2, 4), float("inf")), False)]
+    printed = {}
+    for cls in (TheirDetector, DebugUnderflowOverflow):
+        m = copy.deepcopy(base)
+        cls(m)
+        out, errors = io.StringIO(), []
+        with contextlib.redirect_stdout(out):
+            for x, fail in xs:
+                try:
+                    m(x, fail=fail)
+                except (RuntimeError, ValueError) as e:
+                    errors.append(type(e).__name__)
+        assert errors == ["RuntimeError", "ValueError"]
+        printed[cls] = out.getvalue().split("\n")
+    assert_subsequence(printed[TheirDetector], printed[DebugUnderflowOverflow])

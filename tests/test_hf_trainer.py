@@ -57,6 +57,10 @@ def test_overflow_stops_the_trainer_before_the_update(tmp_path):
     for k, v in trainer.model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert (tmp_path / "torchdoctor-nonfinite-rank0.txt").exists()
+    # the stopped monitor released the model: a new one can attach (on_train_end never ran)
+    from torchdoctor.compat import DebugUnderflowOverflow
+
+    DebugUnderflowOverflow(trainer.model).remove()
 
 
 def test_callback_refuses_what_the_trainer_provides():

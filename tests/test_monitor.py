@@ -508,3 +508,111 @@ def test_inference_mode_and_submodules_called_alone_under_no_grad():
         assert mon._frames == []
         train_step(model, opt, batch)
         assert mon.step_index == 1
+
+
+class SkipsBatches(torch.nn.Module):
+    """a -> (maybe raise, as an OOM would) -> (maybe poison) -> b"""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+        self.fail = self.poison = False
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.fail:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return self.b(h * float("inf") if self.poison else h)
+
+
+@pytest.mark.parametrize("grads", ["none", "params", "modules"])
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_a_caught_failing_forward_does_not_blind_the_rest_of_the_step(grads, with_optimizer):
+    torch.manual_seed(0)
+    m = SkipsBatches()
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    kwargs = {"optimizer": opt} if with_optimizer else {}
+    with pytest.raises(NonFiniteError) as exc, NumericsMonitor(m, grads=grads, **kwargs):
+        m(torch.randn(2, 4)).sum().backward()
+        m.fail = True
+        with pytest.raises(RuntimeError, match="out of memory"):
+            m(torch.randn(2, 4))  # skipped, as OOM handlers do
+        m.fail, m.poison = False, True
+        m(torch.randn(2, 4)).sum().backward()
+        m.poison = False
+        if with_optimizer:
+            opt.step()
+        else:
+            m(torch.randn(2, 4))
+    assert exc.value.first.phase == "fwd" and exc.value.first.module == "b"
+
+
+class Interrupts(torch.nn.Module):
+    interrupt = False
+
+    def forward(self, x):
+        if self.interrupt:
+            raise KeyboardInterrupt
+        return x * 1
+
+
+def test_ctrl_c_inside_a_forward_does_not_leave_the_monitor_confused():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), Interrupts())
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    with NumericsMonitor(m, optimizer=opt) as mon:
+        m[1].interrupt = True
+        with pytest.raises(KeyboardInterrupt):
+            m(torch.randn(2, 4))
+        m[1].interrupt = False
+        for _ in range(2):
+            m(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            m(torch.randn(2, 4))  # an evaluation forward is still checked on its own
+        assert mon.step_index == 2 and mon._frames == [] and mon._root_depth == 0
+
+
+def test_gradients_are_checked_when_the_next_forward_closes_the_step():
+    model = boom_mlp()
+    x = torch.randn(4, 8)
+    with pytest.raises(NonFiniteError) as exc, NumericsMonitor(model) as mon:  # grads="params"
+        model(x).sum().backward()
+        model(x)  # closes step 0, whose gradients are inf
+    assert exc.value.first.phase == "bwd" and mon.step_index == 0
+
+
+def test_manual_steps_with_several_forwards_per_step():
+    model = boom_mlp()
+    model.boom.enabled = False
+    with NumericsMonitor(model, manual_steps=True, grads="modules") as mon:
+        for _ in range(2):
+            for _ in range(4):  # gradient accumulation
+                model(torch.randn(2, 8)).sum().backward()
+            mon.step()
+        assert mon.step_index == 2
+
+
+def test_evaluation_pass_does_not_blame_a_minus_inf_mask():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with NumericsMonitor(model, optimizer=opt):
+        with torch.no_grad():
+            model.layers[1].linear2.weight[0, 0] = float("nan")
+        with pytest.raises(NonFiniteError) as exc, torch.no_grad():
+            model(torch.randn(2, 5, 16), mask=mask, is_causal=True)
+    assert exc.value.first.module == "layers.1.linear2" and exc.value.first.slot == "weight"
+
+
+def test_two_monitors_on_one_optimizer_leave_no_wrapper_behind():
+    model_a, model_b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD([*model_a.parameters(), *model_b.parameters()], lr=0.1)
+    first = NumericsMonitor(model_a, optimizer=opt)
+    second = NumericsMonitor(model_b, optimizer=opt)
+    first.close()
+    second.close()
+    assert "zero_grad" not in opt.__dict__

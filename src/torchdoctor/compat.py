@@ -150,18 +150,17 @@ class _HFEngine(NumericsMonitor):
         the same report before it."""
         flag = all_finite(self._buffer.finite_flags())
         if flag is not None and not bool(flag.item()):
-            self._dump(self.step_index)
-        else:
-            del self._frames[self._forward_start :]
+            self._dump(self.step_index, root_ran=False)
+        # else: keep the frames, as transformers keeps them in its buffer
 
-    def _dump(self, batch: int) -> None:
+    def _dump(self, batch: int, root_ran: bool = True) -> None:
         frames = self._resolved([*self._history, self._current()])
         report = build_report(frames, self.max_frames, self.rank)
         assert report is not None and report.first is not None
         index = frames.index(report.frames[-1])
         shown = list(deque(frames[: index + 1], maxlen=self.max_frames))
         # transformers counts the batch when the root module's hook runs, before it checks the frame
-        number = batch + 1 if index == len(frames) - 1 else batch
+        number = batch + 1 if root_ran and index == len(frames) - 1 else batch
         self._overflow_messages(frames[index])
         self._print(f"\nDetected inf/nan during batch_number={number}")
         self._print(f"Last {len(shown)} forward frames:")
@@ -171,5 +170,5 @@ class _HFEngine(NumericsMonitor):
         self._print(f"torchdoctor diagnosis: {report.diagnosis}")
         if report.fix:
             self._print(f"torchdoctor fix: {report.fix}")
-        self._active = False
         self.report = report
+        self._stop()

@@ -40,9 +40,9 @@ class NumericsCallback(TrainerCallback):
         if model is None or optimizer is None:
             raise RuntimeError("the Trainer passed no model or optimizer to NumericsCallback.on_train_begin")
         self.close()
-        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
         kwargs_ = {"report_dir": args.output_dir, **self.monitor_kwargs}
-        self.monitor = NumericsMonitor(model, optimizer=inner, scaler=getattr(optimizer, "scaler", None), **kwargs_)
+        # the monitor looks through accelerate's AcceleratedOptimizer; its GradScaler sits on the wrapper
+        self.monitor = NumericsMonitor(model, optimizer=optimizer, scaler=getattr(optimizer, "scaler", None), **kwargs_)
 
     def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
         self.close()

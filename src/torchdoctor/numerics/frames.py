@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .slots import NOT_A_TENSOR
-from .stats import StatBuffer, StatRef, abs_min_max, lookup, skip_reason
+from .stats import StatBuffer, StatRef, abs_min_max, has_inf, lookup, skip_reason
 
 FWD, BWD, MARK = "fwd", "bwd", "mark"
 
@@ -142,8 +142,7 @@ def measure_now(label: str, t: torch.Tensor | None, param: bool = False) -> Line
     if reason is not None:
         return Line(label, kind=reason, dtype=t.dtype, param=param)
     mn, mx = abs_min_max(t)
-    has_inf = torch.isinf(t).any() if t.dtype.is_floating_point or t.dtype.is_complex else torch.tensor(False)
-    values = torch.stack([mn.double(), mx.double(), has_inf.double().to(mn.device)]).cpu().tolist()
+    values = torch.stack([mn.double(), mx.double(), has_inf(t).double()]).cpu().tolist()
     return Line(label, values[0], values[1], dtype=t.dtype, param=param, has_inf=bool(values[2]))
 
 

@@ -57,7 +57,7 @@ from .frames import BWD, FWD, MARK, Frame, ModuleInfo, ResolvedFrame, Slot, meas
 from .render import format_frame, hf_header
 from .report import NonFiniteReport, build_report, find_first_bad
 from .slots import input_slots, output_slots
-from .stats import StatBuffer, all_finite, finite_flags_of
+from .stats import StatBuffer, all_finite, finite_flags_of, has_inf
 
 log = logging.getLogger("torchdoctor.numerics")
 
@@ -121,6 +121,8 @@ class NumericsMonitor:
             ``"modules"`` so the next one is localized. Defaults to True.
         sync_ranks (bool, optional): under torch.distributed, share the step's verdict with one tiny
             all_reduce so that every rank stops together (default: when initialized with >1 rank).
+        manual_steps (bool): steps end only at :meth:`step`, from the very first one (otherwise that
+            is known only once step() is first called; say so when a step has several forwards).
         stream (TextIO, optional): where traces are printed. Defaults to sys.stdout.
     """
 
@@ -139,6 +141,7 @@ class NumericsMonitor:
         min_loss_scale: float = 1.0,
         max_consecutive_overflows: int = 30,
         sync_ranks: bool | None = None,
+        manual_steps: bool = False,
         stream: TextIO | None = None,
         _hf: bool = False,
     ) -> None:
@@ -148,6 +151,11 @@ class NumericsMonitor:
             raise ValueError(f"grads={grads!r} is not one of {', '.join(map(repr, GRAD_LEVELS))}")
         if max_frames < 0:
             raise ValueError(f"max_frames must be >= 0, got {max_frames}")
+        # accelerate's AcceleratedOptimizer wraps the torch optimizer without initialising its hooks
+        while not hasattr(optimizer, "_optimizer_step_pre_hooks") and isinstance(
+            getattr(optimizer, "optimizer", None), torch.optim.Optimizer
+        ):
+            optimizer = optimizer.optimizer
         if optimizer is not None and not hasattr(optimizer, "register_step_pre_hook"):
             raise TypeError(
                 f"optimizer={type(optimizer).__name__} has no register_step_pre_hook(); pass a "
@@ -177,18 +185,19 @@ class NumericsMonitor:
         self.overflows: list[OverflowEvent] = []
         self.report: NonFiniteReport | None = None
         self._consecutive_overflows = 0
-        self._manual = False
+        self._manual = manual_steps
         self._optimizer_stepped = False
         self._backward_ran = False
         self._trace_file: TextIO | None = None
         self._stash: tuple[list[Frame], StatBuffer, dict] | None = None
+        self._deferred_report: NonFiniteReport | None = None  # DDP: an evaluation pass went bad
         self._root_depth = 0  # root forwards in flight
         self._root_done = False  # the root's own hook ran (so the always-called hook knows it did not fail)
         self._forward_pending = False  # forward-bounded steps: a training forward awaits its backward
         self._forward_start = 0  # index in _frames where the current root forward began
         self._history: deque[_Step] = deque()
         self._handles: list[Any] = []
-        self._restore: list[tuple[Any, str, Any]] = []
+        self._restore: list[tuple[Any, str, Any, Any]] = []
         self._active = False
         self._new_step()
         try:
@@ -234,13 +243,15 @@ class NumericsMonitor:
     def _wrap(self, obj: Any, attr: str, before: Any) -> None:
         """Shadow ``obj.attr`` with an instance attribute that calls ``before()`` first; undone by close()."""
         original = getattr(obj, attr)
-        self._restore.append((obj, attr, obj.__dict__.get(attr)))
-
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            before()
+            before()  # a no-op once this monitor is closed
             return original(*args, **kwargs)
 
+        previous = obj.__dict__.get(attr)
+        wrapper._torchdoctor_previous = previous  # type: ignore[attr-defined]
+        wrapper._torchdoctor_owner = weakref.ref(self)  # type: ignore[attr-defined]
+        self._restore.append((obj, attr, previous, wrapper))
         setattr(obj, attr, wrapper)
 
     def close(self) -> None:
@@ -252,7 +263,11 @@ class NumericsMonitor:
         for h in self._handles:
             h.remove()
         self._handles = []
-        for obj, attr, old in self._restore:
+        for obj, attr, old, wrapper in reversed(self._restore):
+            if obj.__dict__.get(attr) is not wrapper:
+                continue  # wrapped again by someone else since: leave theirs, ours is now a pass-through
+            while hasattr(old, "_torchdoctor_owner") and not getattr(old._torchdoctor_owner(), "_active", False):
+                old = old._torchdoctor_previous  # skip wrappers of monitors closed in the meantime
             if old is None:
                 obj.__dict__.pop(attr, None)
             else:
@@ -272,7 +287,8 @@ class NumericsMonitor:
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         try:
-            if exc_type is None and self._active and (self._frames or self._backward_ran):
+            open_step = self._frames or self._backward_ran or self._deferred_report is not None
+            if exc_type is None and self._active and (open_step or self._sync_ranks):
                 self._close_step("final")
         finally:
             self.close()
@@ -308,7 +324,7 @@ class NumericsMonitor:
         if self._hf and slot.ref is not None and (value.dtype.is_floating_point or value.dtype.is_complex):
             # transformers prints "has infs" next to "has nans" for a tensor holding both; abs max
             # cannot tell, so compat mode pays one more reduction per tensor to know
-            slot.inf_ref = self._buffer.add_flag(torch.isinf(value).any())
+            slot.inf_ref = self._buffer.add_flag(has_inf(value))
         return slot
 
     def _steps_end_at_forward(self) -> bool:
@@ -317,6 +333,9 @@ class NumericsMonitor:
     def _on_root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if not self._active or torch._C._current_graph_task_id() != -1:
             return
+        if self._root_depth and not self._inside_root_forward():
+            self._root_depth = 0  # a KeyboardInterrupt skipped the always-called hook: not really nested
+            self._root_done = False
         self._root_depth += 1
         if self._root_depth > 1:  # a nested call of the root from inside its own forward
             return
@@ -374,6 +393,19 @@ class NumericsMonitor:
             else:  # a backward may follow: close at the next forward, step() or leaving the with block
                 self._forward_pending = True
 
+    def _inside_root_forward(self) -> bool:
+        """Is an *outer* call of the root module on the Python stack? Asked only when the depth counter
+        says so; the pre-forward hook itself runs inside the current call's ``_call_impl``."""
+        calls = 0
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is self.model:
+                calls += 1
+                if calls > 1:
+                    return True
+            frame = frame.f_back
+        return False
+
     def _on_root_forward_always(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if torch._C._current_graph_task_id() != -1:
             return
@@ -405,7 +437,7 @@ class NumericsMonitor:
     def _on_failed_forward_report(self, report: NonFiniteReport) -> None:
         report.notes.append("The forward then raised an exception of its own (see the traceback).")
         self.report = report
-        self._active = False
+        self._stop()
         try:
             report.write(self.report_dir)
         except OSError as e:
@@ -422,9 +454,13 @@ class NumericsMonitor:
         self._frames, self._buffer, self._seen = self._stash
         self._stash = None
         if flag is not None and not bool(flag.item()):
-            report = build_report(self._resolved([_Step(frames, buffer)]), self.max_frames, self.rank)
+            report = build_report(self._resolved([_Step(frames, buffer)]), self.max_frames, self.rank, 0, self._hf)
             assert report is not None
             report.notes.append("This was a forward under torch.no_grad() (evaluation or generation).")
+            if self._sync_ranks:
+                # other ranks may be in a collective already: say it at the next shared verdict, together
+                self._deferred_report = self._deferred_report or report
+                return
             self._raise(report)
 
     def _hook_backward_seen(self, output: Any) -> None:
@@ -519,10 +555,13 @@ class NumericsMonitor:
 
     def _close_step(self, source: str, abort_check: bool = True) -> None:
         """Check the finished step with one host read; raise or record what went wrong."""
-        if not self._frames and not self._backward_ran and source in ("forward", "skipped", "final"):
-            return
+        nothing = not self._frames and not self._backward_ran and self._deferred_report is None
+        if nothing and source in ("forward", "skipped", "final") and not self._sync_ranks:
+            return  # (under DDP every rank must take part in the verdict, so no shortcut there)
         act_ok = all_finite(self._buffer.finite_flags())  # activations (and module-level gradients)
-        check_grads = self.grads != "none" and source != "forward"
+        if self._deferred_report is not None:
+            act_ok = torch.zeros((), dtype=torch.bool)
+        check_grads = self.grads != "none" and (source != "forward" or self._backward_ran)
         grad_ok = all_finite(self._param_grad_flags()) if check_grads else None
         others: list[int] = []
         if self._sync_ranks:
@@ -576,7 +615,7 @@ class NumericsMonitor:
 
     def _check_abort_after(self, step: int) -> None:
         if self.abort_after_step is not None and step >= self.abort_after_step:
-            self._active = False
+            self._stop()
             raise AbortAfterStep(
                 f"torchdoctor: stopping after step {step} as asked (abort_after_step={self.abort_after_step})"
             )
@@ -610,6 +649,9 @@ class NumericsMonitor:
         return out
 
     def _handle_nonfinite(self, step: int, source: str, bad_ranks: list[int], check_grads: bool) -> None:
+        if self._deferred_report is not None:
+            self._deferred_report.bad_ranks = bad_ranks
+            self._raise(self._deferred_report)
         context = self._resolved(list(self._history))
         frames = context + self._resolved([_Step(self._frames, self._buffer)])
         if check_grads and find_first_bad(frames, len(context), self._hf) is None:
@@ -662,9 +704,16 @@ class NumericsMonitor:
             report.fix = report.fix or "train in bf16, or keep the module named above in fp32"
             self._raise(report)
 
+    def _stop(self) -> None:
+        """The run is over: stop checking and let a new monitor attach (inert hooks go at close())."""
+        self._active = False
+        for module in list(_WATCHED.keys()):
+            if _WATCHED.get(module) is self:
+                del _WATCHED[module]
+
     def _raise(self, report: NonFiniteReport) -> None:
         self.report = report
-        self._active = False  # the run is over; hooks stay until close()
+        self._stop()
         try:
             report.write(self.report_dir)
         except OSError as e:  # never let a full disk hide the finding itself

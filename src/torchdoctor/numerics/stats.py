@@ -135,12 +135,24 @@ class StatBuffer:
         return self._stacked
 
     def finite_flags(self) -> list[torch.Tensor]:
-        """One 0-d bool tensor per judged group: are all its statistics finite? Still no host sync."""
-        return [torch.isfinite(v).all() for key, v in self.stacked().items() if key[0]]
+        """One 0-d bool tensor per judged group: are all its statistics finite? Still no host sync.
+
+        Does not freeze the buffer: after a forward that raised, the same step goes on recording.
+        """
+        if self._stacked is not None:
+            return [torch.isfinite(v).all() for key, v in self._stacked.items() if key[0]]
+        return [torch.isfinite(torch.stack(v)).all() for key, v in self._groups.items() if key[0]]
 
     def read(self) -> dict[GroupKey, list[float]]:
         """Host copy of every statistic (the report path; syncs once per group)."""
         return {key: v.detach().cpu().double().tolist() for key, v in self.stacked().items()}
+
+
+def has_inf(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool on ``t``'s device: does ``t`` hold an inf? (float8 has no isinf kernel: upcast.)"""
+    if not (t.dtype.is_floating_point or t.dtype.is_complex):
+        return torch.zeros((), dtype=torch.bool, device=t.device)
+    return torch.isinf(t.float() if t.dtype in _FLOAT8 else t).any()
 
 
 def finite_flags_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
