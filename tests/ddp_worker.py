@@ -1,4 +1,5 @@
-"""Run under torchrun (gloo): DDP training where rank 1 alone gets a non-finite input at step 2.
+"""Run under torchrun (gloo): DDP training where rank 1 alone gets a non-finite input at step 2
+(mode "train"), or a nan in an evaluation forward under no_grad after step 1 (mode "eval").
 
 Writes result-rank<r>.json (what its monitor reported) into the report folder; used by tests/test_ddp.py.
 """
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from torchdoctor import NonFiniteError, NumericsMonitor
 
 
-def main(report_dir: str) -> None:
+def main(report_dir: str, mode: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -27,11 +28,14 @@ def main(report_dir: str) -> None:
         with NumericsMonitor(ddp, optimizer=opt, report_dir=report_dir) as mon:
             for step in range(5):
                 x = torch.randn(4, 8)
-                if rank == 1 and step == 2:
+                if mode == "train" and rank == 1 and step == 2:
                     x[0, 3] = float("inf")
                 ddp(x).pow(2).mean().backward()
                 opt.step()
                 opt.zero_grad()
+                if mode == "eval" and step == 1:
+                    with torch.no_grad():
+                        ddp(torch.full((2, 8), float("nan") if rank == 1 else 1.0))
     except NonFiniteError as e:
         result["error"] = {"first": e.first.to_json() if e.first else None, "report": e.report}
     result["steps"] = mon.step_index
@@ -41,4 +45,4 @@ def main(report_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else os.getcwd())
+    main(sys.argv[1], sys.argv[2])

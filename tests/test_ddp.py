@@ -11,15 +11,19 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 
-def test_ddp_two_ranks_stop_together_and_name_the_bad_rank(tmp_path):
+def run_workers(tmp_path, mode: str) -> dict[int, dict]:
     env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src"), "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(HERE / "ddp_worker.py"), str(tmp_path),
+        str(HERE / "ddp_worker.py"), str(tmp_path), mode,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = {r: json.loads((tmp_path / f"result-rank{r}.json").read_text()) for r in (0, 1)}
+    return {r: json.loads((tmp_path / f"result-rank{r}.json").read_text()) for r in (0, 1)}
+
+
+def test_ddp_two_ranks_stop_together_and_name_the_bad_rank(tmp_path):
+    results = run_workers(tmp_path, "train")
     assert set(results) == {0, 1}
     bad, good = results[1], results[0]
     # the rank with the inf names it; the other rank stops at the same step instead of hanging
@@ -34,3 +38,12 @@ def test_ddp_two_ranks_stop_together_and_name_the_bad_rank(tmp_path):
     for rank in (0, 1):
         assert (tmp_path / f"torchdoctor-nonfinite-rank{rank}.txt").read_text().startswith(f"[rank{rank}] ")
         assert (tmp_path / f"torchdoctor-nonfinite-rank{rank}.json").exists()
+
+
+def test_ddp_a_bad_evaluation_forward_on_one_rank_stops_both_at_the_next_step(tmp_path):
+    results = run_workers(tmp_path, "eval")
+    bad, good = results[1], results[0]
+    assert bad["error"]["first"]["phase"] == "fwd"
+    assert "torch.no_grad()" in bad["error"]["report"]
+    assert good["error"]["first"] is None and "rank(s) [1]" in good["error"]["report"]
+    assert bad["steps"] == good["steps"] == 2  # both stopped at the same step instead of hanging
