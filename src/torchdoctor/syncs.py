@@ -39,11 +39,4 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_syncs(fn, *args, **kwargs) -> tuple[int, object]:
-    """Run ``fn(*args, **kwargs)`` and return (number of host syncs, result)."""
-    with SyncCounter() as counter:
-        result = fn(*args, **kwargs)
-    return counter.count, result
-
-
-__all__ = ["SyncCounter", "count_syncs"]
+__all__ = ["SyncCounter"]

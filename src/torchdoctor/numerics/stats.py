@@ -103,9 +103,6 @@ class StatBuffer:
         self._groups: dict[GroupKey, list[torch.Tensor]] = {}
         self._stacked: dict[GroupKey, torch.Tensor] | None = None
 
-    def __len__(self) -> int:
-        return sum(len(v) for v in self._groups.values()) // 2
-
     def add(self, t: torch.Tensor, judged: bool = True) -> StatRef:
         """Reduce ``t`` on its device and keep the two 0-d results. ``t`` must not be skipped."""
         mn, mx = abs_min_max(t)
