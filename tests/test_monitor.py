@@ -322,7 +322,15 @@ def test_close_removes_every_hook_and_double_attach_is_refused():
     "kwargs, message",
     [
         ({"grads": "everything"}, "grads='everything' is not one of"),
-        ({"max_frames": -1}, "max_frames must be >= 0"),
+        ({"max_frames": -1}, "max_frames must be an int >= 0"),
+        ({"max_frames": 2.5}, "max_frames must be an int >= 0"),
+        ({"trace_steps": "12"}, "trace_steps must be a list of step numbers"),
+        ({"trace_steps": 1}, "trace_steps must be a list of step numbers"),
+        ({"trace_steps": [1.7]}, "trace_steps must be a list of step numbers"),
+        ({"abort_after_step": -1}, "abort_after_step must be an int >= 0"),
+        ({"abort_after_step": "2"}, "abort_after_step must be an int >= 0"),
+        ({"max_consecutive_overflows": 0}, "max_consecutive_overflows must be an int >= 1"),
+        ({"min_loss_scale": -1}, "min_loss_scale must be a number >= 0"),
     ],
 )
 def test_bad_arguments_are_clear(kwargs, message):
@@ -332,6 +340,16 @@ def test_bad_arguments_are_clear(kwargs, message):
         NumericsMonitor("model")
     with pytest.raises(TypeError, match="register_step_pre_hook"):
         NumericsMonitor(torch.nn.Linear(2, 2), optimizer=object())
+    with pytest.raises(TypeError, match="report_dir must be a path"):
+        NumericsMonitor(torch.nn.Linear(2, 2), report_dir=None)
+    with pytest.raises(TypeError, match="stream must be a text stream"):
+        NumericsMonitor(torch.nn.Linear(2, 2), stream="out.txt")
+
+
+def test_report_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="exists and is not a folder"):
+        NumericsMonitor(torch.nn.Linear(2, 2), report_dir=tmp_path / "afile")
 
 
 def test_trace_steps_and_abort_after_step(capsys, tmp_path):
@@ -394,8 +412,10 @@ def test_a_model_with_broken_weights_is_refused_at_attach_without_leaving_hooks(
     model = tiny_gpt2()
     with torch.no_grad():
         model.lm_head.weight[0, 0] = float("nan")  # tied to the embedding: transformer.wte.weight
-    with pytest.raises(ValueError, match=r"parameter transformer\.wte\.weight .* already non-finite"):
+    with pytest.raises(NonFiniteError, match=r"parameter transformer\.wte\.weight .* already non-finite") as exc:
         NumericsMonitor(model)
+    assert exc.value.first.module == "transformer.wte" and exc.value.first.slot == "weight"
+    assert Path("torchdoctor-nonfinite-rank0.txt").exists()
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
@@ -616,3 +636,32 @@ def test_two_monitors_on_one_optimizer_leave_no_wrapper_behind():
     first.close()
     second.close()
     assert "zero_grad" not in opt.__dict__
+
+
+@pytest.mark.parametrize("grads", ["params", "modules"])
+def test_without_the_optimizer_a_bad_gradient_is_still_caught(grads):
+    """The user's optimizer is not hooked: the gradients are checked when the backward ends, before
+    zero_grad() can erase them, and read with the step's flag (weights are not blamed afterwards)."""
+    model = boom_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with pytest.raises(NonFiniteError) as exc, NumericsMonitor(model, grads=grads):
+        for i in range(3):
+            model.boom.enabled = i == 1
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert exc.value.details.step == 1
+    if grads == "modules":
+        assert exc.value.first.module == "boom" and exc.value.first.phase == "bwd"
+    else:
+        assert "optimizer=opt" in exc.value.report
+
+
+def test_sparse_gradients_are_checked():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    with NumericsMonitor(emb, optimizer=opt), pytest.raises(NonFiniteError) as exc:
+        (emb(torch.tensor([1, 2])).sum() * float("inf")).backward()
+        opt.step()
+    assert exc.value.first.phase == "bwd"

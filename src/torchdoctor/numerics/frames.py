@@ -138,6 +138,8 @@ def measure_now(label: str, t: torch.Tensor | None, param: bool = False) -> Line
     """Host-side statistics of a tensor that still exists (parameters, gradients): report path only."""
     if t is None:
         return Line(label, kind="None")
+    if t.layout is torch.sparse_coo:  # sparse gradients (nn.Embedding(sparse=True)): their values
+        t = t.coalesce().values()
     reason = skip_reason(t)
     if reason is not None:
         return Line(label, kind=reason, dtype=t.dtype, param=param)

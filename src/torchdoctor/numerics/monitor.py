@@ -54,10 +54,11 @@ from torch import nn
 
 from .errors import AbortAfterStep, NonFiniteError
 from .frames import BWD, FWD, MARK, Frame, ModuleInfo, ResolvedFrame, Slot, measure, measure_now, resolve
-from .render import format_frame, hf_header
-from .report import NonFiniteReport, build_report, find_first_bad
+from .render import format_frame, frames_header
+from .report import FirstNonFinite, NonFiniteReport, build_report, find_first_bad
 from .slots import input_slots, output_slots
 from .stats import StatBuffer, all_finite, finite_flags_of, has_inf
+from .wrappers import unwrap_model
 
 log = logging.getLogger("torchdoctor.numerics")
 
@@ -85,18 +86,50 @@ class _Step:
     buffer: StatBuffer
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module whose forward does the work under DDP / DataParallel wrappers."""
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    while isinstance(model, wrappers):
-        model = model.module
-    return model
-
-
 def _dist_rank_world() -> tuple[int | None, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return None, 1
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_options(
+    *,
+    grads: str = "params",
+    max_frames: int = 21,
+    trace_steps: Any = None,
+    abort_after_step: Any = None,
+    report_dir: Any = ".",
+    min_loss_scale: float = 1.0,
+    max_consecutive_overflows: int = 30,
+    stream: Any = None,
+    **_: Any,
+) -> None:
+    """Refuse bad options up front with a clear message, instead of failing mid-training."""
+    if grads not in GRAD_LEVELS:
+        raise ValueError(f"grads={grads!r} is not one of {', '.join(map(repr, GRAD_LEVELS))}")
+    if not _is_count(max_frames):
+        raise ValueError(f"max_frames must be an int >= 0, got {max_frames!r}")
+    if trace_steps is not None and (
+        isinstance(trace_steps, (str, bytes)) or not isinstance(trace_steps, Iterable)
+        or not all(_is_count(s) for s in trace_steps)
+    ):
+        raise ValueError(f"trace_steps must be a list of step numbers (ints >= 0), got {trace_steps!r}")
+    if abort_after_step is not None and not _is_count(abort_after_step):
+        raise ValueError(f"abort_after_step must be an int >= 0 (steps count from 0), got {abort_after_step!r}")
+    if not isinstance(report_dir, (str, os.PathLike)):
+        raise TypeError(f"report_dir must be a path, got {type(report_dir).__name__}")
+    if os.path.exists(report_dir) and not os.path.isdir(report_dir):
+        raise ValueError(f"report_dir={os.fspath(report_dir)!r} exists and is not a folder")
+    if not isinstance(min_loss_scale, (int, float)) or min_loss_scale < 0:
+        raise ValueError(f"min_loss_scale must be a number >= 0, got {min_loss_scale!r}")
+    if not _is_count(max_consecutive_overflows) or max_consecutive_overflows < 1:
+        raise ValueError(f"max_consecutive_overflows must be an int >= 1, got {max_consecutive_overflows!r}")
+    if stream is not None and not callable(getattr(stream, "write", None)):
+        raise TypeError(f"stream must be a text stream with write(), got {type(stream).__name__}")
 
 
 class NumericsMonitor:
@@ -147,10 +180,11 @@ class NumericsMonitor:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"NumericsMonitor needs an nn.Module, got {type(model).__name__}")
-        if grads not in GRAD_LEVELS:
-            raise ValueError(f"grads={grads!r} is not one of {', '.join(map(repr, GRAD_LEVELS))}")
-        if max_frames < 0:
-            raise ValueError(f"max_frames must be >= 0, got {max_frames}")
+        check_options(
+            grads=grads, max_frames=max_frames, trace_steps=trace_steps, abort_after_step=abort_after_step,
+            report_dir=report_dir, min_loss_scale=min_loss_scale,
+            max_consecutive_overflows=max_consecutive_overflows, stream=stream,
+        )
         # accelerate's AcceleratedOptimizer wraps the torch optimizer without initialising its hooks
         while not hasattr(optimizer, "_optimizer_step_pre_hooks") and isinstance(
             getattr(optimizer, "optimizer", None), torch.optim.Optimizer
@@ -163,14 +197,14 @@ class NumericsMonitor:
             )
         if scaler is not None and not callable(getattr(scaler, "update", None)):
             raise TypeError(f"scaler={type(scaler).__name__} has no update() method")
-        self.model = _unwrap(model)
+        self.model = unwrap_model(model)
         self.optimizer = optimizer
         self.grads = grads
         self.scaler = scaler
         self.max_frames = max_frames
-        self.trace_steps = frozenset(int(s) for s in (trace_steps or ()))
+        self.trace_steps = frozenset(trace_steps or ())
         self.abort_after_step = abort_after_step
-        self.report_dir = report_dir
+        self.report_dir = os.fspath(report_dir)
         self.auto_localize = auto_localize
         self.min_loss_scale = min_loss_scale
         self.max_consecutive_overflows = max_consecutive_overflows
@@ -190,6 +224,7 @@ class NumericsMonitor:
         self._backward_ran = False
         self._trace_file: TextIO | None = None
         self._stash: tuple[list[Frame], StatBuffer, dict] | None = None
+        self._after_backward_queued = False
         self._deferred_report: NonFiniteReport | None = None  # DDP: an evaluation pass went bad
         self._root_depth = 0  # root forwards in flight
         self._root_done = False  # the root's own hook ran (so the always-called hook knows it did not fail)
@@ -304,6 +339,7 @@ class NumericsMonitor:
         self._seen: dict[int, tuple[weakref.ref, int, Slot]] = {}
         self._grad_targets: dict[int, tuple[weakref.ref, list]] = {}
         self._backward_ran = False
+        self._backward_grad_flags: list[torch.Tensor] = []  # gradients as they were when a backward ended
 
     def _slot(self, label: str, value: Any, judged: bool = True) -> Slot:
         """Measure ``value`` once: an output passed on as the next module's input is not measured again."""
@@ -440,7 +476,7 @@ class NumericsMonitor:
         self._stop()
         try:
             report.write(self.report_dir)
-        except OSError as e:
+        except Exception as e:
             report.notes.append(f"(could not write the report to {self.report_dir}: {e})")
         log.error("non-finite value before the forward raised:\n%s", report.text())
         exc = sys.exc_info()[1]
@@ -471,7 +507,20 @@ class NumericsMonitor:
                 return
 
     def _on_backward_seen(self, grad: torch.Tensor) -> None:
+        self._note_backward()
+
+    def _note_backward(self) -> None:
+        """A backward is running. Without an optimizer to hook, the parameter gradients are checked
+        when it ends (on device, read with the step's flag): zero_grad() may come before the step ends."""
         self._backward_ran = True
+        if self.optimizer is None and self.grads != "none" and not self._after_backward_queued:
+            self._after_backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._after_backward_queued = False
+        if self._active:
+            self._backward_grad_flags.extend(self._param_grad_flags())
 
     def _hook_grads(self, info: ModuleInfo, output: Any) -> None:
         for label, v in output_slots(output):
@@ -491,7 +540,7 @@ class NumericsMonitor:
     def _on_grad(self, targets: list, grad: torch.Tensor) -> None:
         if not self._active:
             return
-        self._backward_ran = True
+        self._note_backward()
         measured = measure(self._buffer, targets[0][1], grad)
         seen_modules = set()
         for info, label, source in targets:
@@ -562,7 +611,7 @@ class NumericsMonitor:
         if self._deferred_report is not None:
             act_ok = torch.zeros((), dtype=torch.bool)
         check_grads = self.grads != "none" and (source != "forward" or self._backward_ran)
-        grad_ok = all_finite(self._param_grad_flags()) if check_grads else None
+        grad_ok = all_finite((self._param_grad_flags() if check_grads else []) + self._backward_grad_flags)
         others: list[int] = []
         if self._sync_ranks:
             ok, others = self._share_verdict(act_ok, grad_ok)
@@ -654,10 +703,21 @@ class NumericsMonitor:
             self._raise(self._deferred_report)
         context = self._resolved(list(self._history))
         frames = context + self._resolved([_Step(self._frames, self._buffer)])
-        if check_grads and find_first_bad(frames, len(context), self._hf) is None:
+        # weights are measured now: without a hooked optimizer they may have changed since the forward
+        judge_params = self.optimizer is not None or self._hf
+        if check_grads and find_first_bad(frames, len(context), self._hf, judge_params) is None:
             frames += self._param_grad_frames(step)
-        report = build_report(frames, self.max_frames, self.rank, len(context), self._hf)
-        if report is None:  # only another rank saw a non-finite value
+        report = build_report(frames, self.max_frames, self.rank, len(context), self._hf, judge_params)
+        if report is None and not bad_ranks:  # only the gradients seen when the backward ended were bad
+            report = NonFiniteReport(
+                step, None, frames[len(context) :][-self.max_frames :],
+                "a parameter gradient was non-finite when the backward of this step ended, and the gradients "
+                "were gone (zero_grad) by the time the step was checked, so which one is unknown. Pass the "
+                "optimizer (NumericsMonitor(model, optimizer=opt)) so the step is checked before the update is "
+                "applied, or call mon.step() before optimizer.step(); grads='modules' names the module.",
+                rank=self.rank,
+            )
+        elif report is None:  # only another rank saw a non-finite value
             report = NonFiniteReport(step, None, [], "another rank found non-finite values", rank=self.rank)
         report.bad_ranks = bad_ranks
         if bad_ranks and report.first is not None and report.first.phase == BWD:
@@ -716,7 +776,7 @@ class NumericsMonitor:
         self._stop()
         try:
             report.write(self.report_dir)
-        except OSError as e:  # never let a full disk hide the finding itself
+        except Exception as e:  # never let a full disk (or anything else) hide the finding itself
             report.notes.append(f"(could not write the report to {self.report_dir}: {e})")
         raise NonFiniteError(report)
 
@@ -724,7 +784,7 @@ class NumericsMonitor:
         frames = self._resolved([_Step(self._frames, self._buffer)])
         out = self.stream or sys.stdout
         tag = f"[rank{self.rank}] " if self.rank is not None else ""
-        out.write(f"{tag}{' ' * 17} *** Starting step={step} ***\n{tag}{hf_header()}\n")
+        out.write(f"{tag}{' ' * 17} *** Starting step={step} ***\n{tag}{frames_header()}\n")
         if self._trace_file is None:
             os.makedirs(self.report_dir, exist_ok=True)
             path = os.path.join(os.fspath(self.report_dir), f"torchdoctor-trace-rank{self.rank or 0}.jsonl")
@@ -741,8 +801,17 @@ class NumericsMonitor:
         if flag is None or bool(flag.item()):
             return
         for name, p in self.model.named_parameters():
-            if p.dtype.is_floating_point and p.numel() and not math.isfinite(measure_now(name, p).abs_max):
-                raise ValueError(
-                    f"parameter {name} of the model is already non-finite before training: check the "
-                    "checkpoint or the initialisation"
+            line = measure_now(name.rsplit(".", 1)[-1], p, param=True)
+            if line.abs_max is not None and not math.isfinite(line.abs_max):
+                module_name = name.rpartition(".")[0]
+                cls = type(self.model.get_submodule(module_name)).__name__
+                value = "nan" if math.isnan(line.abs_max) else "inf"
+                first = FirstNonFinite(0, FWD, module_name, cls, line.label, value)
+                self._raise(
+                    NonFiniteReport(
+                        0, first, [],
+                        f"parameter {name} of the model is already non-finite before training ({value}): check "
+                        "the checkpoint or the initialisation",
+                        rank=self.rank,
+                    )
                 )

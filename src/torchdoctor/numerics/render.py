@@ -40,8 +40,13 @@ def format_frame(frame: ResolvedFrame, phase: bool = True, marker: Line | None =
     return out
 
 
+def frames_header() -> str:
+    """The header of our layout: transformers' columns plus the phase."""
+    return f"{'abs min':8} {'abs max':8} {'phase':5} metadata"
+
+
 def format_frames(frames: list[ResolvedFrame], marker: Line | None = None) -> list[str]:
-    out = [f"{'abs min':8} {'abs max':8} {'phase':5} metadata"]
+    out = [frames_header()]
     for f in frames:
         out.extend(format_frame(f, phase=True, marker=marker))
     return out

@@ -67,9 +67,11 @@ class NonFiniteReport:
             )
             out.append(f"Last {len(self.frames)} frames, in execution order:")
             out.extend(format_frames(self.frames, self.marker))
-        else:
+        elif self.bad_ranks:
             out.append(f"Stopped at step {self.step}: rank(s) {self.bad_ranks} found non-finite values;")
             out.append("this rank's values were finite. See the report file of the rank(s) named.")
+        else:
+            out.append(f"Detected a non-finite value at step {self.step}")
         out.append(f"Diagnosis: {self.diagnosis}")
         if self.fix:
             out.append(f"Fix: {self.fix}")
@@ -105,12 +107,14 @@ class NonFiniteReport:
 
 
 def find_first_bad(
-    frames: list[ResolvedFrame], start: int = 0, judge_inputs: bool = True
+    frames: list[ResolvedFrame], start: int = 0, judge_inputs: bool = True, judge_params: bool = True
 ) -> tuple[int, Line] | None:
     """The first non-finite line in execution order, from ``frames[start]`` on (earlier frames are context).
 
     With ``judge_inputs=False`` a non-finite *input* does not count by itself (an additive ``-inf``
-    attention mask is a legitimate input); the module output it spoils does.
+    attention mask is a legitimate input); the module output it spoils does. With
+    ``judge_params=False`` weights measured now do not count: without a hooked optimizer they may
+    have been updated since the forward that is being judged.
 
     Parameter gradients (``grad:weight``) are measured when the report is built, so they hold the
     whole backward's sum (a tied weight collects gradients from later modules too): they count only
@@ -119,7 +123,7 @@ def find_first_bad(
     for timely in (True, False):
         for i in range(start, len(frames)):
             for line in frames[i].lines:
-                if line.finite or (timely and line.label.startswith("grad:")):
+                if line.finite or (timely and line.label.startswith("grad:")) or (line.param and not judge_params):
                     continue
                 if judge_inputs or not line.label.startswith("input"):
                     return i, line
@@ -237,8 +241,9 @@ def diagnose(frames: list[ResolvedFrame], index: int, line: Line) -> tuple[str, 
     if line.param:
         return (
             f"the weight {frame.name}.{line.label} is already {what} before this forward: it was loaded "
-            f"that way or an earlier optimizer update wrote it. Check the checkpoint; let torchdoctor "
-            f"watch gradients (grads='params') so a non-finite update is stopped before it is applied.",
+            f"that way or an earlier optimizer update wrote it. Check the checkpoint, and give torchdoctor the "
+            f"optimizer (NumericsMonitor(model, optimizer=opt)) so a non-finite update is stopped before it "
+            f"is applied.",
             None,
         )
     bad_input = next(
@@ -296,11 +301,16 @@ def diagnose(frames: list[ResolvedFrame], index: int, line: Line) -> tuple[str, 
 
 
 def build_report(
-    frames: list[ResolvedFrame], max_frames: int, rank: int | None, start: int = 0, judge_inputs: bool = True
+    frames: list[ResolvedFrame],
+    max_frames: int,
+    rank: int | None,
+    start: int = 0,
+    judge_inputs: bool = True,
+    judge_params: bool = True,
 ) -> NonFiniteReport | None:
     """The report for the first non-finite value in ``frames[start:]`` (None when all are finite);
     the frames before ``start`` (earlier, already checked steps) are shown as context only."""
-    found = find_first_bad(frames, start, judge_inputs)
+    found = find_first_bad(frames, start, judge_inputs, judge_params)
     if found is None:
         return None
     index, line = found

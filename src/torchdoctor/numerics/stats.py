@@ -162,6 +162,8 @@ def finite_flags_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
+        if t.layout is torch.sparse_coo:  # e.g. nn.Embedding(sparse=True) gradients: check the values
+            t = t._values()
         if t.layout is not torch.strided or t.numel() == 0 or not (t.dtype.is_floating_point or t.dtype.is_complex):
             continue
         t = t.detach()
