@@ -63,6 +63,10 @@ def test_overflow_stops_the_trainer_before_the_update(tmp_path):
     DebugUnderflowOverflow(trainer.model).remove()
 
 
-def test_callback_refuses_what_the_trainer_provides():
+def test_callback_refuses_what_the_trainer_provides_and_bad_options():
     with pytest.raises(TypeError, match="takes 'optimizer' from the Trainer"):
         NumericsCallback(optimizer=object())
+    with pytest.raises(TypeError, match="NumericsCallback: .*foo"):
+        NumericsCallback(foo=1)
+    with pytest.raises(ValueError, match="grads='bogus'"):
+        NumericsCallback(grads="bogus")

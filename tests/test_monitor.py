@@ -665,3 +665,26 @@ def test_sparse_gradients_are_checked():
         (emb(torch.tensor([1, 2])).sum() * float("inf")).backward()
         opt.step()
     assert exc.value.first.phase == "bwd"
+
+
+class Exp(torch.nn.Module):
+    def forward(self, x):
+        return torch.exp(x)
+
+
+def test_an_fp32_overflow_is_not_told_to_use_fp32():
+    model = torch.nn.Sequential(torch.nn.Identity(), Exp())
+    with NumericsMonitor(model) as mon, pytest.raises(NonFiniteError) as exc, torch.no_grad():
+        model(torch.full((2,), 100.0))
+    assert exc.value.first.module == "1"
+    assert "Higher precision will not help" in exc.value.report
+    assert mon.report.fix is None and mon.report.fp32_region is None
+
+
+def test_a_bad_mark_gets_no_module_fix():
+    lin = torch.nn.Linear(2, 2)
+    with NumericsMonitor(lin) as mon:
+        mon.mark(lin(torch.ones(1, 2)) / 0.0, "after layer_norm")
+        with pytest.raises(NonFiniteError) as exc:
+            mon.step()
+    assert "marked 'after layer_norm'" in exc.value.report and exc.value.details.fix is None

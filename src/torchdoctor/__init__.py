@@ -1,24 +1,35 @@
 """torchdoctor: why a PyTorch training run broke, and how to fix it.
 
 The numerics monitor lives in :mod:`torchdoctor.numerics`; the transformers-compatible surface
-(``DebugUnderflowOverflow``, ``detect_overflow``) in :mod:`torchdoctor.compat`.
+(``DebugUnderflowOverflow``, ``detect_overflow``) in :mod:`torchdoctor.compat`. The names below are
+imported on first use, so ``import torchdoctor`` (and ``torchdoctor --help``) does not import torch.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from .numerics import AbortAfterStep, NonFiniteError, NumericsMonitor, detect_overflow
+_LAZY = {
+    "NumericsMonitor": "torchdoctor.numerics.monitor",
+    "NonFiniteError": "torchdoctor.numerics.errors",
+    "AbortAfterStep": "torchdoctor.numerics.errors",
+    "detect_overflow": "torchdoctor.numerics.overflow",
+    "keep_fp32": "torchdoctor.numerics.fp32",
+}
 
-_LAZY = {"keep_fp32": ("torchdoctor.numerics.fp32", "keep_fp32")}
+if TYPE_CHECKING:
+    from .numerics.errors import AbortAfterStep, NonFiniteError
+    from .numerics.fp32 import keep_fp32
+    from .numerics.monitor import NumericsMonitor
+    from .numerics.overflow import detect_overflow
 
 
-def __getattr__(name: str):  # keep_fp32 is imported on first use
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'torchdoctor' has no attribute {name!r}")
 
 

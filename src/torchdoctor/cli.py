@@ -1,7 +1,8 @@
 """The ``torchdoctor`` command line: a thin layer that parses arguments and calls the packages.
 
-Subcommands are registered in ``COMMANDS`` (name -> (module, summary)) and imported only when run,
-so ``torchdoctor --help`` stays fast. Exit codes: 0 healthy, 1 problems found, 2 bad usage.
+Subcommands are registered in ``COMMANDS`` (name -> (module, summary)); a command module keeps its
+heavy imports (torch) inside ``run()``, so ``torchdoctor --help`` does not import torch.
+Exit codes: 0 success, 1 problems found (for ``demo``: the demo did not go as shown), 2 bad usage.
 """
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     result["first_run"]["error"] = error.details.to_json()
     say(f"the monitor stopped the run at step {error.first.step}, before the optimizer applied it:\n")
     say(error.report)
-    say(f"\n(report also written to {report_dir}/torchdoctor-nonfinite-rank0.txt and .json)\n")
+    if not any(note.startswith("(could not write") for note in error.details.notes):
+        say(f"\n(report also written to {report_dir}/torchdoctor-nonfinite-rank0.txt and .json)\n")
     region = error.details.fp32_region
     if region is None:
         say("the report names no region to keep in fp32; the demo stops here")

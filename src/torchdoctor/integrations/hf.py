@@ -14,11 +14,12 @@ optimizer inside it (``.optimizer``) and, under ``fp16=True``, the ``GradScaler`
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from transformers import TrainerCallback
 
-from ..numerics.monitor import NumericsMonitor
+from ..numerics.monitor import NumericsMonitor, check_options
 
 
 class NumericsCallback(TrainerCallback):
@@ -33,6 +34,11 @@ class NumericsCallback(TrainerCallback):
         for reserved in ("model", "optimizer", "scaler"):
             if reserved in monitor_kwargs:
                 raise TypeError(f"NumericsCallback takes {reserved!r} from the Trainer; do not pass it")
+        try:  # refuse unknown or bad options now, not inside trainer.train()
+            inspect.signature(NumericsMonitor).bind(None, **monitor_kwargs)
+        except TypeError as e:
+            raise TypeError(f"NumericsCallback: {e}") from None
+        check_options(**monitor_kwargs)
         self.monitor_kwargs = monitor_kwargs
         self.monitor: NumericsMonitor | None = None
 

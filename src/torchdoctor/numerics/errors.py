@@ -9,7 +9,7 @@ if TYPE_CHECKING:
 
 
 class NonFiniteError(ValueError):
-    """An inf/nan was found; raised before ``optimizer.step()`` changes anything.
+    """An inf/nan was found; with ``optimizer=`` given, raised before ``optimizer.step()`` changes anything.
 
     Attributes:
         report (str): the text report (also written to ``report_dir``).

@@ -138,10 +138,12 @@ class NumericsMonitor:
     Args:
         model (nn.Module): the model (DDP / DataParallel wrappers are looked through).
         optimizer (torch.optim.Optimizer, optional): checked in a step pre-hook, so a step with a
-            non-finite value raises before any parameter or optimizer state changes.
-        grads (str): ``"params"`` (default) checks every parameter gradient once per step in a fused
-            pass; ``"modules"`` also measures the gradient at every module output, which names the
-            module where a backward blow-up starts; ``"none"`` watches the forward only.
+            non-finite value raises before any parameter or optimizer state changes. Without it the
+            gradients are checked when each backward ends, but the update cannot be stopped.
+        grads (str): ``"params"`` (default) checks every parameter gradient once per step (one
+            ``aminmax`` each, on device); ``"modules"`` also measures the gradient at every module
+            output, which names the module where a backward blow-up starts; ``"none"`` watches the
+            forward only.
         scaler (optional): a loss scaler (``torch.amp.GradScaler`` or anything with ``get_scale()``
             and ``update()``). Its overflows are recorded in :attr:`overflows`, not raised, unless the
             scale falls below ``min_loss_scale`` or ``max_consecutive_overflows`` steps overflow in a row.

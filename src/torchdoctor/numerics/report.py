@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .frames import BWD, Line, ResolvedFrame
+from .frames import BWD, MARK, Line, ResolvedFrame
 from .render import format_frames
 
 # "within 2x of the dtype's maximum" -- the guide's example: 6.27e4 against fp16's 6.55e4.
@@ -238,7 +238,15 @@ def diagnose(frames: list[ResolvedFrame], index: int, line: Line) -> tuple[str, 
             f"if it persists, keep {frame.name or 'the module'} in fp32.",
             frame.name or None,
         )
-    if line.param:
+    if frame.phase == MARK:
+        return (
+            f"the value marked {frame.name!r} is {what}. Look at the code that computes it (between the "
+            "frames above and this mark), or add marks before it to narrow it down.",
+            None,
+        )
+    if line.param or any(ln.param and not ln.finite for ln in frame.lines):
+        line = line if line.param else next(ln for ln in frame.lines if ln.param and not ln.finite)
+        what = "nan" if math.isnan(line.abs_max) else "inf"
         return (
             f"the weight {frame.name}.{line.label} is already {what} before this forward: it was loaded "
             f"that way or an earlier optimizer update wrote it. Check the checkpoint, and give torchdoctor the "
@@ -265,7 +273,7 @@ def diagnose(frames: list[ResolvedFrame], index: int, line: Line) -> tuple[str, 
             None,
         )
     near = _near_max(frames, index)
-    if what == "inf" and near is not None and near[2] >= 1 / HEADROOM_FACTOR:
+    if what == "inf" and near is not None and near[2] >= 1 / HEADROOM_FACTOR and near[0].phase != MARK:
         nf, nl, ratio = near
         top = _dtype_max(nl.dtype)
         region = common_region(nf.name, frame.name)
@@ -293,6 +301,14 @@ def diagnose(frames: list[ResolvedFrame], index: int, line: Line) -> tuple[str, 
             None,
         )
     dtype = line.dtype
+    if dtype is not None and dtype.itemsize >= 4:
+        return (
+            f"{frame.name} ({frame.cls}) {line.label} overflowed to inf in {_dtype_name(dtype)} with no value near "
+            "the limit in the frames shown: an operation whose result exceeds even fp32's range (exp of a large "
+            "input, an unnormalised sum or product). Higher precision will not help: look at that operation and "
+            "the magnitudes it is given (clamp, rescale, or use a log-space formulation).",
+            None,
+        )
     return (
         f"{frame.name} ({frame.cls}) {line.label} overflowed to inf in {_dtype_name(dtype)} with no value near "
         f"the limit in the frames shown: a single large product. Keep {frame.name} in fp32 or train in bf16.",
