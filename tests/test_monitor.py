@@ -176,15 +176,18 @@ def test_gradscaler_overflows_are_recorded_not_raised(grads):
         assert mon.grads == "modules"  # switched itself to localize the next overflow
 
 
-def test_skipped_steps_are_seen_without_passing_the_scaler():
+@pytest.mark.parametrize("grads", ["params", "modules"])
+def test_skipped_steps_are_seen_without_passing_the_scaler(grads):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
-    mon = _scaled_run(model, opt, scaler, 12, {"grads": "modules"}, pass_scaler=False)
-    assert len(mon.overflows) >= 2
+    mon = _scaled_run(model, opt, scaler, 12, {"grads": grads}, pass_scaler=False)
+    assert len(mon.overflows) >= 2 and mon.overflows[0].step == 0
     assert mon.overflows[0].scale is None
     assert mon.overflows[0].module is not None
+    if grads == "params":
+        assert mon.overflows[0].slot.startswith("grad:")  # seen at zero_grad(), while the gradients existed
 
 
 def test_collapsing_loss_scale_aborts():
@@ -461,16 +464,6 @@ def test_scaler_without_optimizer_still_counts_steps_and_aborts():
             scaler.update()
             opt.zero_grad()
     assert mon.step_index == 2
-
-
-def test_unpassed_scaler_overflows_are_recorded_at_params_level():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
-    mon = _scaled_run(model, opt, scaler, 6, {"grads": "params"}, pass_scaler=False)
-    assert mon.overflows and mon.overflows[0].step == 0
-    assert mon.overflows[0].slot.startswith("grad:")  # seen at zero_grad(), while the gradients existed
 
 
 class Log(torch.nn.Module):
