@@ -223,10 +223,8 @@ class NumericsMonitor:
         self._consecutive_overflows = 0
         self._manual = manual_steps
         self._optimizer_stepped = False
-        self._backward_ran = False
         self._trace_file: TextIO | None = None
         self._stash: tuple[list[Frame], StatBuffer, dict] | None = None
-        self._after_backward_queued = False
         self._deferred_report: NonFiniteReport | None = None  # DDP: an evaluation pass went bad
         self._root_depth = 0  # root forwards in flight
         self._root_done = False  # the root's own hook ran (so the always-called hook knows it did not fail)
@@ -342,6 +340,7 @@ class NumericsMonitor:
         self._grad_targets: dict[int, tuple[weakref.ref, list]] = {}
         self._backward_ran = False
         self._backward_grad_flags: list[torch.Tensor] = []  # gradients as they were when a backward ended
+        self._after_backward_queued = False  # (a backward that raised never ran its callback)
 
     def _slot(self, label: str, value: Any, judged: bool = True) -> Slot:
         """Measure ``value`` once: an output passed on as the next module's input is not measured again."""
