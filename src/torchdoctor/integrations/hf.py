@@ -19,7 +19,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..numerics.monitor import NumericsMonitor, check_options
+from ..numerics.monitor import NumericsMonitor
+from ..numerics.options import check_options
 
 
 class NumericsCallback(TrainerCallback):

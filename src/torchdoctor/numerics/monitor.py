@@ -38,7 +38,6 @@ Known limitations:
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import os
@@ -54,15 +53,14 @@ from torch import nn
 
 from .errors import AbortAfterStep, NonFiniteError
 from .frames import BWD, FWD, MARK, Frame, ModuleInfo, ResolvedFrame, Slot, measure, measure_now, resolve
-from .render import format_frame, frames_header
+from .options import check_options
 from .report import FirstNonFinite, NonFiniteReport, build_report, find_first_bad
 from .slots import input_slots, output_slots
 from .stats import StatBuffer, all_finite, finite_flags_of, has_inf
+from .trace import TraceWriter
 from .wrappers import unwrap_model
 
 log = logging.getLogger("torchdoctor.numerics")
-
-GRAD_LEVELS = ("none", "params", "modules")
 
 # Every monitored module, whichever monitor watches it: attaching twice would double every hook.
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, NumericsMonitor] = weakref.WeakKeyDictionary()
@@ -90,46 +88,6 @@ def _dist_rank_world() -> tuple[int | None, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return None, 1
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def check_options(
-    *,
-    grads: str = "params",
-    max_frames: int = 21,
-    trace_steps: Any = None,
-    abort_after_step: Any = None,
-    report_dir: Any = ".",
-    min_loss_scale: float = 1.0,
-    max_consecutive_overflows: int = 30,
-    stream: Any = None,
-    **_: Any,
-) -> None:
-    """Refuse bad options up front with a clear message, instead of failing mid-training."""
-    if grads not in GRAD_LEVELS:
-        raise ValueError(f"grads={grads!r} is not one of {', '.join(map(repr, GRAD_LEVELS))}")
-    if not _is_count(max_frames):
-        raise ValueError(f"max_frames must be an int >= 0, got {max_frames!r}")
-    if trace_steps is not None and (
-        isinstance(trace_steps, (str, bytes)) or not isinstance(trace_steps, Iterable)
-        or not all(_is_count(s) for s in trace_steps)
-    ):
-        raise ValueError(f"trace_steps must be a list of step numbers (ints >= 0), got {trace_steps!r}")
-    if abort_after_step is not None and not _is_count(abort_after_step):
-        raise ValueError(f"abort_after_step must be an int >= 0 (steps count from 0), got {abort_after_step!r}")
-    if not isinstance(report_dir, (str, os.PathLike)):
-        raise TypeError(f"report_dir must be a path, got {type(report_dir).__name__}")
-    if os.path.exists(report_dir) and not os.path.isdir(report_dir):
-        raise ValueError(f"report_dir={os.fspath(report_dir)!r} exists and is not a folder")
-    if not isinstance(min_loss_scale, (int, float)) or min_loss_scale < 0:
-        raise ValueError(f"min_loss_scale must be a number >= 0, got {min_loss_scale!r}")
-    if not _is_count(max_consecutive_overflows) or max_consecutive_overflows < 1:
-        raise ValueError(f"max_consecutive_overflows must be an int >= 1, got {max_consecutive_overflows!r}")
-    if stream is not None and not callable(getattr(stream, "write", None)):
-        raise TypeError(f"stream must be a text stream with write(), got {type(stream).__name__}")
 
 
 class NumericsMonitor:
@@ -223,7 +181,7 @@ class NumericsMonitor:
         self._consecutive_overflows = 0
         self._manual = manual_steps
         self._optimizer_stepped = False
-        self._trace_file: TextIO | None = None
+        self._tracer = TraceWriter(self.report_dir, self.rank, stream)
         self._stash: tuple[list[Frame], StatBuffer, dict] | None = None
         self._deferred_report: NonFiniteReport | None = None  # DDP: an evaluation pass went bad
         self._root_depth = 0  # root forwards in flight
@@ -311,9 +269,7 @@ class NumericsMonitor:
         for module in list(_WATCHED.keys()):
             if _WATCHED.get(module) is self:
                 del _WATCHED[module]
-        if self._trace_file is not None:
-            self._trace_file.close()
-            self._trace_file = None
+        self._tracer.close()
 
     remove = close
 
@@ -782,19 +738,7 @@ class NumericsMonitor:
         raise NonFiniteError(report)
 
     def _trace(self, step: int) -> None:
-        frames = self._resolved([_Step(self._frames, self._buffer)])
-        out = self.stream or sys.stdout
-        tag = f"[rank{self.rank}] " if self.rank is not None else ""
-        out.write(f"{tag}{' ' * 17} *** Starting step={step} ***\n{tag}{frames_header()}\n")
-        if self._trace_file is None:
-            os.makedirs(self.report_dir, exist_ok=True)
-            path = os.path.join(os.fspath(self.report_dir), f"torchdoctor-trace-rank{self.rank or 0}.jsonl")
-            self._trace_file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across steps
-        for f in frames:
-            out.write("".join(f"{tag}{line}\n" for line in format_frame(f, phase=True)))
-            self._trace_file.write(json.dumps(f.to_json()) + "\n")
-        self._trace_file.flush()
-        out.flush()
+        self._tracer.write_step(step, self._resolved([_Step(self._frames, self._buffer)]))
 
     def _check_weights_once(self) -> None:
         """At attach time: a weight that is already non-finite is named at once (one sync, once)."""
