@@ -1,0 +1,156 @@
+"""The device check for a session that is lent a GPU: host syncs and overhead of the monitor under CUDA.
+
+On CPU the sync budget is counted with a dispatch mode (``torchdoctor.syncs.SyncCounter``); on CUDA the
+real question is how often the host *waits*. This script answers it with
+``torch.cuda.set_sync_debug_mode("warn")`` (every synchronising call emits a warning, counted here), and
+measures, on the device:
+
+* which per-tensor statistic is cheapest there (``aminmax(x.abs())``, ``vector_norm(x, inf)``,
+  ``x.abs().amax()``, ``aminmax(x)``), since the monitor's choice was measured on CPU;
+* the per-step gradient check (one ``aminmax`` per gradient) against a fused ``_foreach_norm(inf)``;
+* step time of a T5-shaped model under fp16 autocast, bare vs ``NumericsMonitor`` at each level
+  (interleaved, CUDA-event timed), and the waits per step of each.
+
+Usage: ``python benchmarks/gpu_check.py [--device cuda] [--steps 20] [--json out.json]``. Without a
+CUDA device it says so and exits 0 (``--device cpu`` runs the same code on CPU, as a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+import warnings
+
+import torch
+
+
+def _time(fn, device: torch.device, reps: int) -> float:
+    """Median milliseconds of ``fn()`` on ``device`` (CUDA events there, perf_counter on CPU)."""
+    fn()
+    samples = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def count_waits(fn, device: torch.device) -> int:
+    """Host waits made by ``fn()``: CUDA sync-debug warnings (on CPU: the dispatch-mode count)."""
+    if device.type != "cuda":
+        from torchdoctor.syncs import SyncCounter
+
+        with SyncCounter() as c:
+            fn()
+        return c.count
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def statistic_costs(device: torch.device, reps: int) -> dict[str, dict[str, float]]:
+    out = {}
+    for shape in ((8, 64, 256), (8, 64, 1024), (8, 32, 32128)):
+        x = torch.randn(*shape, device=device, dtype=torch.float16 if device.type == "cuda" else torch.float32)
+        out[str(shape)] = {
+            "aminmax(abs)": _time(lambda x=x: torch.aminmax(x.abs()), device, reps),
+            "vector_norm(inf)": _time(lambda x=x: torch.linalg.vector_norm(x, float("inf")), device, reps),
+            "abs().amax()": _time(lambda x=x: x.abs().amax(), device, reps),
+            "aminmax(x)": _time(lambda x=x: torch.aminmax(x), device, reps),
+        }
+    return out
+
+
+def build(device: torch.device):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(
+        d_model=256, d_ff=1024, num_layers=4, num_decoder_layers=4, num_heads=4, d_kv=64,
+        feed_forward_proj="gated-gelu", decoder_start_token_id=0, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(cfg).to(device)
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(0, 32128, (8, 64), generator=g).to(device),
+        "labels": torch.randint(0, 32128, (8, 32), generator=g).to(device),
+    }
+    return model, batch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing to measure (use --device cpu for a smoke run)")
+        return 0
+    from torchdoctor import NumericsMonitor
+
+    device = torch.device(args.device)
+    result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    result["statistic_ms"] = statistic_costs(device, max(5, args.steps))
+
+    base, batch = build(device)
+    grads = [torch.randn_like(p) for p in base.parameters()]
+    result["grad_check_ms"] = {
+        "aminmax per gradient": _time(lambda: [torch.aminmax(gr) for gr in grads], device, args.steps),
+        "_foreach_norm(inf)": _time(lambda: torch._foreach_norm(grads, float("inf")), device, args.steps),
+    }
+
+    amp = device.type == "cuda"
+    variants = {"bare": None, "none": "none", "params": "params", "modules": "modules"}
+    runs = {}
+    for name, level in variants.items():
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=device.type == "cuda")
+        mon = NumericsMonitor(model, optimizer=opt, grads=level) if level else None
+
+        def step(model=model, opt=opt):
+            with torch.autocast(device.type, dtype=torch.float16 if amp else torch.bfloat16, enabled=amp):
+                loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        runs[name] = (step, mon)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.steps):  # interleaved
+        for name, (step, _mon) in runs.items():
+            times[name].append(_time(step, device, 1))
+    bare = statistics.median(times["bare"])
+    result["step_ms"] = {name: statistics.median(t) for name, t in times.items()}
+    result["ratio"] = {name: statistics.median(t) / bare for name, t in times.items()}
+    result["waits_per_step"] = {name: count_waits(step, device) for name, (step, _mon) in runs.items()}
+    for _step, mon in runs.values():
+        if mon is not None:
+            mon.close()
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as fh:
+            fh.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
