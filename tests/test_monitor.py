@@ -681,3 +681,82 @@ def test_a_bad_mark_gets_no_module_fix():
         with pytest.raises(NonFiniteError) as exc:
             mon.step()
     assert "marked 'after layer_norm'" in exc.value.report and exc.value.details.fix is None
+
+
+def test_without_the_optimizer_a_loss_from_any_output_is_checked():
+    """The end-of-backward check must not depend on which output the loss came from."""
+    model = boom_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as exc, NumericsMonitor(torch.nn.Sequential(model)):
+        model.boom.enabled = True
+        (model(torch.randn(4, 8)) * 2).sum().backward()  # a loss computed outside the model
+        opt.step()
+        opt.zero_grad()
+    assert exc.value.details.step == 0
+
+
+def test_gradients_repaired_before_the_step_are_not_blamed():
+    model = boom_mlp()
+    with NumericsMonitor(model, manual_steps=True) as mon:
+        model(torch.randn(4, 8)).sum().backward()
+        for p in model.parameters():
+            p.grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # a user's own gradient repair
+        mon.step()
+        assert mon.step_index == 1
+
+
+def test_a_scaler_without_optimizer_records_overflows_even_after_zero_grad():
+    model = boom_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with NumericsMonitor(model, scaler=scaler) as mon:
+        for i in range(3):
+            model.boom.enabled = i == 0
+            scaler.scale(model(torch.randn(4, 8)).sum()).backward()
+            scaler.step(opt)
+            opt.zero_grad()
+            scaler.update()
+    assert [e.step for e in mon.overflows] == [0]
+
+
+def test_options_accept_numpy_integers_and_generators():
+    np = pytest.importorskip("numpy")
+    mon = NumericsMonitor(
+        torch.nn.Linear(2, 2), trace_steps=(s for s in [np.int64(1)]), abort_after_step=np.int64(3),
+        max_frames=np.int64(5), min_loss_scale=np.float32(1.0),
+    )
+    assert mon.trace_steps == {1} and mon.abort_after_step == 3 and mon.max_frames == 5
+    mon.close()
+
+
+def test_nonfinite_error_pickles_and_meta_models_attach():
+    import pickle
+
+    model = boom_mlp()
+    with pytest.raises(NonFiniteError) as exc, NumericsMonitor(model, grads="modules"):
+        model(torch.randn(4, 8)).sum().backward()
+    again = pickle.loads(pickle.dumps(exc.value))
+    assert again.first == exc.value.first and again.report == exc.value.report
+    with torch.device("meta"):
+        meta_model = torch.nn.Linear(2, 2)
+    NumericsMonitor(meta_model).close()
+
+
+@pytest.mark.parametrize("grads", ["params", "modules"])
+def test_one_host_sync_per_step_without_the_optimizer_too(grads):
+    model = tiny_t5()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = t5_batch()
+    train_step(model, opt, batch)
+    bare = syncs_of_step(model, opt, batch)
+    with NumericsMonitor(model, grads=grads, manual_steps=True) as mon:
+        train_step(model, opt, batch)
+        mon.step()
+
+        def step_then_check():
+            train_step(model, opt, batch)
+            mon.step()
+
+        with SyncCounter() as c:
+            step_then_check()
+    assert c.count - bare <= 1

@@ -27,10 +27,19 @@ if TYPE_CHECKING:
     from .numerics.overflow import detect_overflow
 
 
+_SUBMODULES = ("cli", "compat", "demo", "integrations", "numerics", "syncs")
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"torchdoctor.{name}")
     raise AttributeError(f"module 'torchdoctor' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, *_SUBMODULES})
 
 
 __all__ = ["AbortAfterStep", "NonFiniteError", "NumericsMonitor", "__version__", "detect_overflow", "keep_fp32"]

@@ -39,7 +39,9 @@ class NumericsCallback(TrainerCallback):
             inspect.signature(NumericsMonitor).bind(None, **monitor_kwargs)
         except TypeError as e:
             raise TypeError(f"NumericsCallback: {e}") from None
-        check_options(**monitor_kwargs)
+        traced = check_options(**monitor_kwargs)
+        if "trace_steps" in monitor_kwargs:  # a generator would be used up by the check
+            monitor_kwargs["trace_steps"] = sorted(traced)
         self.monitor_kwargs = monitor_kwargs
         self.monitor: NumericsMonitor | None = None
 

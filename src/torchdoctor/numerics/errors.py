@@ -23,6 +23,9 @@ class NonFiniteError(ValueError):
         self.first: FirstNonFinite | None = report.first
         super().__init__("torchdoctor: non-finite value detected\n" + self.report)
 
+    def __reduce__(self):  # pickles (multiprocessing workers) with its structured report
+        return (type(self), (self.details,))
+
 
 class AbortAfterStep(RuntimeError):
     """Raised once the step given as ``abort_after_step`` has finished (a clean, asked-for stop)."""

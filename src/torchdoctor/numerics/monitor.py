@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import operator
 import os
 import sys
 import weakref
@@ -140,7 +141,7 @@ class NumericsMonitor:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"NumericsMonitor needs an nn.Module, got {type(model).__name__}")
-        check_options(
+        traced = check_options(
             grads=grads, max_frames=max_frames, trace_steps=trace_steps, abort_after_step=abort_after_step,
             report_dir=report_dir, min_loss_scale=min_loss_scale,
             max_consecutive_overflows=max_consecutive_overflows, stream=stream,
@@ -161,9 +162,9 @@ class NumericsMonitor:
         self.optimizer = optimizer
         self.grads = grads
         self.scaler = scaler
-        self.max_frames = max_frames
-        self.trace_steps = frozenset(trace_steps or ())
-        self.abort_after_step = abort_after_step
+        self.max_frames = operator.index(max_frames)
+        self.trace_steps = traced
+        self.abort_after_step = None if abort_after_step is None else operator.index(abort_after_step)
         self.report_dir = os.fspath(report_dir)
         self.auto_localize = auto_localize
         self.min_loss_scale = min_loss_scale
@@ -188,6 +189,7 @@ class NumericsMonitor:
         self._root_done = False  # the root's own hook ran (so the always-called hook knows it did not fail)
         self._forward_pending = False  # forward-bounded steps: a training forward awaits its backward
         self._forward_start = 0  # index in _frames where the current root forward began
+        self._grad_hooks_on = False
         self._history: deque[_Step] = deque()
         self._handles: list[Any] = []
         self._restore: list[tuple[Any, str, Any, Any]] = []
@@ -230,6 +232,8 @@ class NumericsMonitor:
         if self.scaler is not None:
             self._wrap(self.scaler, "update", self._on_scaler_update)
         self._active = True
+        if not self._optimizer_hooked() and not self._hf:
+            self._hook_param_grads()
         if not self._hf:  # transformers reports broken weights in the first forward's frames instead
             self._check_weights_once()
 
@@ -296,7 +300,8 @@ class NumericsMonitor:
         self._grad_targets: dict[int, tuple[weakref.ref, list]] = {}
         self._backward_ran = False
         self._backward_grad_flags: list[torch.Tensor] = []  # gradients as they were when a backward ended
-        self._after_backward_queued = False  # (a backward that raised never ran its callback)
+        self._backward_grads: list[tuple[torch.Tensor, weakref.ref]] = []  # ... and which tensors they were
+        self._queued_task: int | None = None
 
     def _slot(self, label: str, value: Any, judged: bool = True) -> Slot:
         """Measure ``value`` once: an output passed on as the next module's input is not measured again."""
@@ -464,20 +469,45 @@ class NumericsMonitor:
                 return
 
     def _on_backward_seen(self, grad: torch.Tensor) -> None:
-        self._note_backward()
-
-    def _note_backward(self) -> None:
-        """A backward is running. Without an optimizer to hook, the parameter gradients are checked
-        when it ends (on device, read with the step's flag): zero_grad() may come before the step ends."""
         self._backward_ran = True
-        if self.optimizer is None and self.grads != "none" and not self._after_backward_queued:
-            self._after_backward_queued = True
+
+    def _optimizer_hooked(self) -> bool:
+        """Is the step checked in the optimizer's pre-hook, i.e. before the update?"""
+        return self.optimizer is not None and not self._manual
+
+    def _hook_param_grads(self) -> None:
+        """Without a hooked optimizer, check the parameter gradients when each backward ends (on
+        device, read with the step's flag): zero_grad() or the update may come before the step ends.
+        A post-accumulate hook per parameter notices any backward that writes a gradient, whatever
+        output the loss was computed from."""
+        if self._grad_hooks_on or self.grads == "none":
+            return
+        self._grad_hooks_on = True
+        for p in self._params:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_param_grad))
+
+    def _on_param_grad(self, param: torch.Tensor) -> None:
+        if not self._active or self._optimizer_hooked():
+            return
+        self._backward_ran = True
+        task = torch._C._current_graph_task_id()
+        if task != self._queued_task:  # once per backward (a backward that raised never ran its callback)
+            self._queued_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
 
     def _after_backward(self) -> None:
-        self._after_backward_queued = False
+        self._queued_task = None
         if self._active:
-            self._backward_grad_flags.extend(self._param_grad_flags())
+            with_grad = [p for p in self._params if p.grad is not None]
+            self._backward_grad_flags.extend(finite_flags_of([p.grad for p in with_grad]))
+            self._backward_grads.extend((p, weakref.ref(p.grad)) for p in with_grad)
+
+    def _stored_grad_flags(self) -> list[torch.Tensor]:
+        """Flags taken when backwards ended, unless those very gradients are still there (then the
+        check at the step's end sees them as they are now, repaired or accumulated further)."""
+        if all(p.grad is not None and p.grad is ref() for p, ref in self._backward_grads):
+            return []
+        return self._backward_grad_flags
 
     def _hook_grads(self, info: ModuleInfo, output: Any) -> None:
         for label, v in output_slots(output):
@@ -497,7 +527,7 @@ class NumericsMonitor:
     def _on_grad(self, targets: list, grad: torch.Tensor) -> None:
         if not self._active:
             return
-        self._note_backward()
+        self._backward_ran = True
         measured = measure(self._buffer, targets[0][1], grad)
         seen_modules = set()
         for info, label, source in targets:
@@ -529,6 +559,7 @@ class NumericsMonitor:
     def step(self) -> None:
         """End a training step by hand (when no optimizer was given): check it, then start the next."""
         self._manual = True
+        self._hook_param_grads()
         self._forward_pending = False
         self._close_step("manual")
 
@@ -568,7 +599,7 @@ class NumericsMonitor:
         if self._deferred_report is not None:
             act_ok = torch.zeros((), dtype=torch.bool)
         check_grads = self.grads != "none" and (source != "forward" or self._backward_ran)
-        grad_ok = all_finite((self._param_grad_flags() if check_grads else []) + self._backward_grad_flags)
+        grad_ok = all_finite((self._param_grad_flags() if check_grads else []) + self._stored_grad_flags())
         others: list[int] = []
         if self._sync_ranks:
             ok, others = self._share_verdict(act_ok, grad_ok)
@@ -661,17 +692,19 @@ class NumericsMonitor:
         context = self._resolved(list(self._history))
         frames = context + self._resolved([_Step(self._frames, self._buffer)])
         # weights are measured now: without a hooked optimizer they may have changed since the forward
-        judge_params = self.optimizer is not None or self._hf
+        judge_params = self._optimizer_hooked() or self._hf
         if check_grads and find_first_bad(frames, len(context), self._hf, judge_params) is None:
             frames += self._param_grad_frames(step)
         report = build_report(frames, self.max_frames, self.rank, len(context), self._hf, judge_params)
-        if report is None and not bad_ranks:  # only the gradients seen when the backward ended were bad
+        unknown_gradient = report is None and not bad_ranks
+        if unknown_gradient:  # only the gradients seen when a backward ended were bad, and they are gone
             report = NonFiniteReport(
                 step, None, frames[len(context) :][-self.max_frames :],
                 "a parameter gradient was non-finite when the backward of this step ended, and the gradients "
                 "were gone (zero_grad) by the time the step was checked, so which one is unknown. Pass the "
                 "optimizer (NumericsMonitor(model, optimizer=opt)) so the step is checked before the update is "
-                "applied, or call mon.step() before optimizer.step(); grads='modules' names the module.",
+                "applied, or call mon.step() before optimizer.step(); grads='modules' names the module. Under "
+                "a loss scaler, pass it too (scaler=...): its overflows are then recorded, not raised.",
                 rank=self.rank,
             )
         elif report is None:  # only another rank saw a non-finite value
@@ -684,7 +717,7 @@ class NumericsMonitor:
                 f"See the report of rank {bad_ranks[0]}."
             )
             report.fix = report.fp32_region = None
-        only_backward = report.first is not None and report.first.phase == BWD
+        only_backward = unknown_gradient or (report.first is not None and report.first.phase == BWD)
         if only_backward and source in ("skipped", "scaler"):
             self._record_overflow(step, report)
             return

@@ -175,13 +175,17 @@ def common_region(a: str, b: str) -> str:
     return ".".join(common)
 
 
-def _near_max(frames: list[ResolvedFrame], upto: int) -> tuple[ResolvedFrame, Line, float] | None:
+def _near_max(
+    frames: list[ResolvedFrame], upto: int, with_params: bool = True
+) -> tuple[ResolvedFrame, Line, float] | None:
     """The largest finite value relative to its dtype's max in frames[:upto+1] (forward only)."""
     best = None
     for f in frames[: upto + 1]:
         if f.phase == BWD:
             continue
         for line in f.lines:
+            if line.param and not with_params:
+                continue
             top = _dtype_max(line.dtype)
             if top is None or line.abs_max is None or not math.isfinite(line.abs_max):
                 continue
@@ -213,7 +217,9 @@ def backward_consumer(frames: list[ResolvedFrame], index: int) -> ResolvedFrame 
     return None
 
 
-def diagnose(frames: list[ResolvedFrame], index: int, line: Line) -> tuple[str, str | None]:
+def diagnose(
+    frames: list[ResolvedFrame], index: int, line: Line, judge_params: bool = True
+) -> tuple[str, str | None]:
     """(diagnosis, module to keep in fp32 or None) for the first non-finite ``line`` of ``frames[index]``."""
     frame = frames[index]
     what = "nan" if math.isnan(line.abs_max) else "inf"
@@ -244,7 +250,7 @@ def diagnose(frames: list[ResolvedFrame], index: int, line: Line) -> tuple[str, 
             "frames above and this mark), or add marks before it to narrow it down.",
             None,
         )
-    if line.param or any(ln.param and not ln.finite for ln in frame.lines):
+    if judge_params and (line.param or any(ln.param and not ln.finite for ln in frame.lines)):
         line = line if line.param else next(ln for ln in frame.lines if ln.param and not ln.finite)
         what = "nan" if math.isnan(line.abs_max) else "inf"
         return (
@@ -272,7 +278,7 @@ def diagnose(frames: list[ResolvedFrame], index: int, line: Line) -> tuple[str, 
             "suspect lines to find it.",
             None,
         )
-    near = _near_max(frames, index)
+    near = _near_max(frames, index, judge_params)
     if what == "inf" and near is not None and near[2] >= 1 / HEADROOM_FACTOR and near[0].phase != MARK:
         nf, nl, ratio = near
         top = _dtype_max(nl.dtype)
@@ -301,7 +307,8 @@ def diagnose(frames: list[ResolvedFrame], index: int, line: Line) -> tuple[str, 
             None,
         )
     dtype = line.dtype
-    if dtype is not None and dtype.itemsize >= 4:
+    if dtype is not None and (dtype.is_floating_point or dtype.is_complex) and _dtype_max(dtype) > 1e38:
+        # fp32's range (bf16 included): more precision cannot hold a bigger number
         return (
             f"{frame.name} ({frame.cls}) {line.label} overflowed to inf in {_dtype_name(dtype)} with no value near "
             "the limit in the frames shown: an operation whose result exceeds even fp32's range (exp of a large "
@@ -331,7 +338,7 @@ def build_report(
         return None
     index, line = found
     frame = frames[index]
-    diagnosis, region = diagnose(frames, index, line)
+    diagnosis, region = diagnose(frames, index, line, judge_params)
     value = "nan" if math.isnan(line.abs_max) else "inf"
     consumer = backward_consumer(frames, index) if frame.phase == BWD and not line.label.startswith("grad:") else None
     if consumer is not None:

@@ -164,8 +164,8 @@ def finite_flags_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     for t in tensors:
         if t.layout is torch.sparse_coo:  # e.g. nn.Embedding(sparse=True) gradients: check the values
             t = t._values()
-        if t.layout is not torch.strided or t.numel() == 0 or not (t.dtype.is_floating_point or t.dtype.is_complex):
-            continue
+        if skip_reason(t) is not None or not (t.dtype.is_floating_point or t.dtype.is_complex):
+            continue  # meta, empty, quantized, other layouts: nothing to check
         t = t.detach()
         if t.dtype.is_complex:
             t = torch.view_as_real(t)
