@@ -147,7 +147,12 @@ def test_backward_blowup_at_params_level_says_how_to_localize():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
-def _scaled_run(model, opt, scaler, steps, mon_kwargs, pass_scaler=True):
+def _scaled_run(steps, mon_kwargs, pass_scaler=True):
+    """A small tanh MLP under a GradScaler starting at 2**127: the first steps overflow, then it recovers."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     with NumericsMonitor(model, optimizer=opt, scaler=scaler if pass_scaler else None, **mon_kwargs) as mon:
         for _ in range(steps):
@@ -156,16 +161,12 @@ def _scaled_run(model, opt, scaler, steps, mon_kwargs, pass_scaler=True):
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-    return mon
+    return model, mon
 
 
 @pytest.mark.parametrize("grads", ["params", "modules"])
 def test_gradscaler_overflows_are_recorded_not_raised(grads):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
-    mon = _scaled_run(model, opt, scaler, 12, {"grads": grads})
+    model, mon = _scaled_run(12, {"grads": grads})
     assert len(mon.overflows) >= 2  # the first steps overflow, then the scaler recovers
     assert [e.step for e in mon.overflows] == list(range(len(mon.overflows)))
     assert mon.overflows[0].scale == 2.0**127  # the scale the overflowing step ran at
@@ -178,11 +179,7 @@ def test_gradscaler_overflows_are_recorded_not_raised(grads):
 
 @pytest.mark.parametrize("grads", ["params", "modules"])
 def test_skipped_steps_are_seen_without_passing_the_scaler(grads):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
-    mon = _scaled_run(model, opt, scaler, 12, {"grads": grads}, pass_scaler=False)
+    _, mon = _scaled_run(12, {"grads": grads}, pass_scaler=False)
     assert len(mon.overflows) >= 2 and mon.overflows[0].step == 0
     assert mon.overflows[0].scale is None
     assert mon.overflows[0].module is not None

@@ -119,7 +119,7 @@ class _HFEngine(NumericsMonitor):
             return
         if batch in owner.trace_batch_nums:
             # transformers prints each frame as it completes; detection is off in a traced batch
-            for frame in self._resolved([self._current()]):
+            for frame in self._resolved([_Step(self._frames, self._buffer)]):
                 self._overflow_messages(frame)
                 self._print(self._hf_frame(frame))
             self._history.clear()  # transformers starts its frame buffer afresh after a traced batch
@@ -137,9 +137,6 @@ class _HFEngine(NumericsMonitor):
                 f" `abort_after_batch_num={owner.abort_after_batch_num}` arg"
             )
 
-    def _current(self) -> _Step:
-        return _Step(self._frames, self._buffer)
-
     def _rotate_step_only(self) -> None:
         self.step_index += 1
         self._new_step()
@@ -154,7 +151,7 @@ class _HFEngine(NumericsMonitor):
         # else: keep the frames, as transformers keeps them in its buffer
 
     def _dump(self, batch: int, root_ran: bool = True) -> None:
-        frames = self._resolved([*self._history, self._current()])
+        frames, _ = self._frames_with_context()  # earlier batches are all finite: search from the start
         report = build_report(frames, self.max_frames, self.rank)
         assert report is not None and report.first is not None
         index = frames.index(report.frames[-1])

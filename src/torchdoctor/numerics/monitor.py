@@ -270,9 +270,7 @@ class NumericsMonitor:
             else:
                 setattr(obj, attr, old)
         self._restore = []
-        for module in list(_WATCHED.keys()):
-            if _WATCHED.get(module) is self:
-                del _WATCHED[module]
+        self._release_modules()
         self._tracer.close()
 
     remove = close
@@ -421,9 +419,8 @@ class NumericsMonitor:
         """
         flag = all_finite(self._buffer.finite_flags())
         if flag is not None and not bool(flag.item()):
-            context = self._resolved(list(self._history))
-            frames = context + self._resolved([_Step(self._frames, self._buffer)])
-            report = build_report(frames, self.max_frames, self.rank, len(context), self._hf)
+            frames, start = self._frames_with_context()
+            report = build_report(frames, self.max_frames, self.rank, start, self._hf)
             if report is not None:
                 self._on_failed_forward_report(report)
                 return
@@ -434,12 +431,7 @@ class NumericsMonitor:
 
     def _on_failed_forward_report(self, report: NonFiniteReport) -> None:
         report.notes.append("The forward then raised an exception of its own (see the traceback).")
-        self.report = report
-        self._stop()
-        try:
-            report.write(self.report_dir)
-        except Exception as e:
-            report.notes.append(f"(could not write the report to {self.report_dir}: {e})")
+        self._finish(report)
         log.error("non-finite value before the forward raised:\n%s", report.text())
         exc = sys.exc_info()[1]
         if exc is not None and hasattr(exc, "add_note"):
@@ -658,6 +650,11 @@ class NumericsMonitor:
             )
 
     # ------------------------------------------------------------------ reading back
+    def _frames_with_context(self) -> tuple[list[ResolvedFrame], int]:
+        """Earlier (already checked) steps as context, then the current step; and where it starts."""
+        context = self._resolved(list(self._history))
+        return context + self._resolved([_Step(self._frames, self._buffer)]), len(context)
+
     def _resolved(self, steps: list[_Step]) -> list[ResolvedFrame]:
         out: list[ResolvedFrame] = []
         for s in steps:
@@ -689,17 +686,16 @@ class NumericsMonitor:
         if self._deferred_report is not None:
             self._deferred_report.bad_ranks = bad_ranks
             self._raise(self._deferred_report)
-        context = self._resolved(list(self._history))
-        frames = context + self._resolved([_Step(self._frames, self._buffer)])
+        frames, start = self._frames_with_context()
         # weights are measured now: without a hooked optimizer they may have changed since the forward
         judge_params = self._optimizer_hooked() or self._hf
-        if check_grads and find_first_bad(frames, len(context), self._hf, judge_params) is None:
+        if check_grads and find_first_bad(frames, start, self._hf, judge_params) is None:
             frames += self._param_grad_frames(step)
-        report = build_report(frames, self.max_frames, self.rank, len(context), self._hf, judge_params)
+        report = build_report(frames, self.max_frames, self.rank, start, self._hf, judge_params)
         unknown_gradient = report is None and not bad_ranks
         if unknown_gradient:  # only the gradients seen when a backward ended were bad, and they are gone
             report = NonFiniteReport(
-                step, None, frames[len(context) :][-self.max_frames :],
+                step, None, frames[start:][-self.max_frames :],
                 "a parameter gradient was non-finite when the backward of this step ended, and the gradients "
                 "were gone (zero_grad) by the time the step was checked, so which one is unknown. Pass the "
                 "optimizer (NumericsMonitor(model, optimizer=opt)) so the step is checked before the update is "
@@ -754,20 +750,27 @@ class NumericsMonitor:
             report.fix = report.fix or "train in bf16, or keep the module named above in fp32"
             self._raise(report)
 
-    def _stop(self) -> None:
-        """The run is over: stop checking and let a new monitor attach (inert hooks go at close())."""
-        self._active = False
+    def _release_modules(self) -> None:
         for module in list(_WATCHED.keys()):
             if _WATCHED.get(module) is self:
                 del _WATCHED[module]
 
-    def _raise(self, report: NonFiniteReport) -> None:
+    def _stop(self) -> None:
+        """The run is over: stop checking and let a new monitor attach (inert hooks go at close())."""
+        self._active = False
+        self._release_modules()
+
+    def _finish(self, report: NonFiniteReport) -> None:
+        """Keep the report, stop, and write it to disk before anything is raised."""
         self.report = report
         self._stop()
         try:
             report.write(self.report_dir)
         except Exception as e:  # never let a full disk (or anything else) hide the finding itself
             report.notes.append(f"(could not write the report to {self.report_dir}: {e})")
+
+    def _raise(self, report: NonFiniteReport) -> None:
+        self._finish(report)
         raise NonFiniteError(report)
 
     def _trace(self, step: int) -> None:
