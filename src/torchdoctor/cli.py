@@ -19,6 +19,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "torchdoctor.demo.run",
         "train a tiny T5 in fp16 on CPU: the monitor finds the overflow, explains it, and the fix works",
     ),
+    "comm": (
+        "torchdoctor.comm.run",
+        "prove every rank can talk (torchrun, srun or --local N); name the rank that cannot; --bench bandwidth",
+    ),
 }
 
 

@@ -1,0 +1,1 @@
+"""Communication check and collective benchmark: ``torchdoctor comm``."""

@@ -1,0 +1,76 @@
+"""``torchdoctor comm --local N``: start N ranks on this machine, the way torchrun would.
+
+This process hosts the rendezvous store (so the side channel outlives any rank), starts the ranks as
+subprocesses of ``python -m torchdoctor comm`` and waits for them. The ranks check and report
+themselves; if none of them could print a verdict (all killed), this process prints it from the store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+
+from .launch import Launch, free_port
+from .session import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, Options
+
+
+def child_argv(opts: Options) -> list[str]:
+    from .sizes import format_bytes
+
+    argv = ["--backend", opts.backend, "--timeout", f"{opts.timeout:g}"]
+    if opts.json:
+        argv.append("--json")
+    if opts.bench:
+        argv += ["--bench", "--sizes", ",".join(format_bytes(s) for s in opts.sizes), "--iters", str(opts.iters),
+                 "--warmup", str(opts.warmup), "--dtype", opts.dtype]
+    if opts.nccl_debug:
+        argv += ["--nccl-debug", opts.nccl_debug]
+    if opts.nccl_debug_subsys:
+        argv += ["--nccl-debug-subsys", opts.nccl_debug_subsys]
+    return argv
+
+
+def run_local(n: int, opts: Options) -> int:
+    from torch.distributed import PrefixStore, TCPStore
+
+    from .sidechannel import key_prefix
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=opts.timeout),
+                     wait_for_workers=False)
+    base = dict(os.environ)
+    for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE"):
+        base.pop(k, None)
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+                TORCHDOCTOR_AGENT_STORE="1", TORCHDOCTOR_LAUNCH_MODE="local")
+    base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks must not each take every core
+    cmd = [sys.executable, "-m", "torchdoctor", "comm", *child_argv(opts)]
+    procs = [subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(n)]
+    try:
+        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+        raise
+    if not PrefixStore(key_prefix("0.0"), store).check(["reporter"]):
+        _report_for_dead_ranks(n, port, opts)
+    if all(c == EXIT_OK for c in codes):
+        return EXIT_OK
+    return EXIT_USAGE if all(c == EXIT_USAGE for c in codes) else EXIT_PROBLEMS
+
+
+def _report_for_dead_ranks(n: int, port: int, opts: Options) -> None:
+    """Every rank ended without printing a verdict (killed): say so from what they left in the store."""
+    from .session import RankSession
+
+    launch = Launch(0, n, 0, "127.0.0.1", port, "local", agent_store=True, run_id="0.0")
+    session = RankSession(launch, opts)
+    from .sidechannel import SideChannel
+
+    session.channel = SideChannel(launch, opts.timeout)
+    rows, findings, _, _ = session.verdict(settle=1.0)
+    session._print(rows, findings)

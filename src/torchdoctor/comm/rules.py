@@ -1,0 +1,247 @@
+"""Judgements: side-channel records and rank identities in, a per-rank table and findings out.
+
+Pure functions over plain dicts (what :meth:`SideChannel.snapshot` returns), so every verdict is
+tested with fabricated records; the processes that produce real records are tested separately.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+from ..findings import Finding
+from .identity import describe, device_label
+
+STAGES = ("connect", "join", "init", "device", "all_reduce", "all_gather", "broadcast", "ring", "barrier",
+          "bench", "done")
+VICTIM_KINDS = frozenset({"timeout", "error", "terminated"})
+
+
+def stage_index(name: str | None) -> int:
+    return STAGES.index(name) if name in STAGES else -1
+
+
+def _where(stage: Mapping[str, Any] | None) -> str:
+    if not stage:
+        return "join"
+    return f"{stage['name']} {stage['detail']}".strip() if stage.get("detail") else stage["name"]
+
+
+def network_fixes(backend: str) -> list[str]:
+    """The guide's remedies for a collective that does not complete."""
+    if backend == "nccl":
+        return [
+            "rerun with `--nccl-debug INFO` (NCCL_DEBUG=INFO) and read the first NCCL WARN line of the rank named",
+            "pin the network interface on every node: NCCL_SOCKET_IFNAME=<iface> (the one `ip route get "
+            "<MASTER_ADDR>` uses; e.g. NCCL_SOCKET_IFNAME=eth0, or ^lo,docker to exclude)",
+            "ranks on one node: try NCCL_P2P_DISABLE=1; if that fixes it, PCIe ACS or the IOMMU blocks GPU "
+            "peer-to-peer (disable ACS / set iommu=pt)",
+            "test GPU pairs in isolation: CUDA_VISIBLE_DEVICES=0,1 torchdoctor comm --local 2, then 0,2, ...",
+        ]
+    return [
+        "pin the network interface on every node: GLOO_SOCKET_IFNAME=<iface> (the one `ip route get "
+        "<MASTER_ADDR>` uses)",
+        "check that every host can reach every other on the ports gloo opens (firewall between nodes)",
+    ]
+
+
+def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
+          store_lost: str | None = None, store_host_rank: int | None = None) -> tuple[list[dict], list[Finding]]:
+    """Rows of the summary table and the findings explaining the run (the fault first)."""
+    n = len(snap)
+    ident = {r: rec.get("identity") for r, rec in snap.items()}
+    missing = [r for r in range(n) if not ident[r]]
+    dead = [r for r in range(n) if ident[r] and not snap[r].get("final") and not snap[r].get("alive")]
+    running = [r for r in range(n) if ident[r] and not snap[r].get("final") and snap[r].get("alive")]
+    finals = {r: snap[r]["final"] for r in range(n) if snap[r].get("final")}
+    broken = {r: f for r, f in finals.items() if f["status"] != "ok"}
+    failed_at = max((stage_index(f["stage"]) for f in broken.values()), default=-1)
+    stuck = [r for r in running if stage_index((snap[r].get("stage") or {}).get("name")) < failed_at]
+    wrong = [r for r, f in broken.items() if f.get("kind") == "wrong"]
+    usage = [r for r, f in broken.items() if f.get("kind") == "usage"]
+    own = [r for r, f in broken.items() if f.get("kind") not in VICTIM_KINDS and r not in wrong and r not in usage]
+    if store_lost and store_host_rank is not None and store_host_rank not in dead and not finals.get(store_host_rank):
+        dead = sorted({*dead, store_host_rank} - set(missing))
+    culprits = sorted({*missing, *dead, *stuck, *wrong, *own, *usage})
+    findings: list[Finding] = []
+    blame = []
+    if usage:
+        findings.append(Finding("comm.backend-unavailable", "fail", broken[usage[0]]["error"],
+                                fix=["run with --backend gloo (or auto) on machines without CUDA"],
+                                data={"ranks": usage}))
+
+    for r in missing:
+        what = "never joined" if not store_lost else "sent no word (the side channel was lost)"
+        blame.append(f"rank {r} {what}")
+        findings.append(Finding(
+            "comm.rank-missing", "fail", f"rank {r} {what} (no contact within {timeout:g} s)",
+            evidence=[f"ranks that joined: {', '.join(str(q) for q in range(n) if ident[q]) or 'none'}"],
+            fix=[f"check that the launcher started rank {r}: every node needs the same --nnodes and "
+                 "--nproc_per_node, and the same --master-addr/--master-port (or --rdzv-endpoint)",
+                 "from the missing rank's host, `nc -zv <MASTER_ADDR> <MASTER_PORT>` must connect (firewall, "
+                 "wrong address)"],
+            data={"rank": r},
+        ))
+    for r in dead:
+        stage = snap[r].get("stage")
+        is_store = store_lost and r == store_host_rank
+        title = f"{describe(ident[r], r)} died during {_where(stage)}"
+        if is_store:
+            title = f"{describe(ident[r], r)}, which hosts the rendezvous store, died or became unreachable"
+        blame.append(f"{describe(ident[r], r)} died")
+        findings.append(Finding(
+            "comm.rank-died", "fail", title,
+            evidence=[f"its heartbeat stopped and it left no status; last stage entered: {_where(stage)}"]
+            + ([f"the store stopped answering: {store_lost}"] if is_store else []),
+            fix=[f"read rank {r}'s own output for its last error",
+                 f"no traceback usually means a kill from outside; the OOM killer leaves a trace: on host "
+                 f"{(ident[r] or {}).get('host', '?')}: dmesg -T | grep -i -E 'killed process|out of memory'"],
+            data={"rank": r, "stage": (stage or {}).get("name"), "detail": (stage or {}).get("detail")},
+        ))
+    for r in stuck:
+        stage = snap[r].get("stage")
+        blame.append(f"{describe(ident[r], r)} is stuck")
+        findings.append(Finding(
+            "comm.rank-stuck", "fail", f"{describe(ident[r], r)} is alive but stuck in {_where(stage)}",
+            evidence=["its heartbeat still moves, but it never reached the stage where the others gave up "
+                      f"({STAGES[failed_at]})"],
+            fix=network_fixes(backend) if (stage or {}).get("name") not in ("device",) else
+            ["the device stage allocates memory on the rank's GPU: check `nvidia-smi` on that host for a "
+             "hung or busy GPU"],
+            data={"rank": r, "stage": (stage or {}).get("name")},
+        ))
+    for r in wrong:
+        f = broken[r]
+        findings.append(Finding(
+            "comm.wrong-result", "fail", f"{describe(ident[r], r)} got a wrong {f['stage']} result",
+            evidence=[f["error"]],
+            fix=["data arrives corrupted: try NCCL_P2P_DISABLE=1; if that fixes it, PCIe ACS or the IOMMU "
+                 "interferes with GPU peer-to-peer (disable ACS / iommu=pt)"] + network_fixes(backend)[-1:],
+            data={"rank": r, "stage": f["stage"]},
+        ))
+    for r in own:
+        f = broken[r]
+        findings.append(Finding(
+            "comm.stage-error", "fail",
+            f"{describe(ident[r], r)} failed in {f['stage']}: {f['error'].splitlines()[0][:200]}",
+            evidence=[f["error"]],
+            fix=network_fixes(backend) if f["stage"] not in ("device",) else
+            ["check the rank's GPU with `nvidia-smi` (memory in use, Xid errors in `dmesg`)"],
+            data={"rank": r, "stage": f["stage"]},
+        ))
+    if not culprits and broken:
+        stages = sorted({f["stage"] for f in broken.values()}, key=stage_index)
+        where = " / ".join(stages)
+        ring = [r for r in range(n) if snap[r].get("ring") is not None]
+        evidence = [f"ranks {', '.join(map(str, sorted(broken)))} timed out or failed in {where}; all are "
+                    "alive and none failed on its own"]
+        links = []
+        if "ring" in stages and ring:
+            for r in range(n):
+                got = (snap[r].get("ring") or {}).get("received")
+                if not got:
+                    links.append(f"{(r - 1) % n}->{r}")
+            if links:
+                evidence.append(f"ring links that carried nothing: {', '.join(links)}")
+        findings.append(Finding(
+            "comm.link-broken" if links else "comm.stage-timeout", "fail",
+            f"{where} did not complete between ranks that are all alive"
+            + (f" (links {', '.join(links)})" if links else ""),
+            evidence=evidence, fix=network_fixes(backend), data={"stages": stages, "links": links},
+        ))
+        culprits = sorted(broken)
+
+    rows = []
+    for r in range(n):
+        rec, f = snap[r], finals.get(r)
+        stage = rec.get("stage")
+        row = {"rank": r, "host": (ident[r] or {}).get("host"), "local_rank": (ident[r] or {}).get("local_rank"),
+               "device": device_label(ident[r]) if ident[r] else None}
+        if r in missing:
+            row.update(status="missing", stage="join", detail="never joined")
+        elif r in dead:
+            row.update(status="broken", stage=(stage or {}).get("name"), detail=f"died during {_where(stage)}")
+        elif r in stuck:
+            row.update(status="broken", stage=(stage or {}).get("name"), detail=f"stuck in {_where(stage)}")
+        elif f and f["status"] == "ok":
+            row.update(status="ok", stage="done", detail="")
+        elif f and r in culprits:
+            row.update(status="broken", stage=f["stage"], detail=f["error"].splitlines()[0][:120])
+        elif f:
+            row.update(status="ok", stage=f["stage"],
+                       detail=f"stopped in {f['stage']}: {'; '.join(blame) or 'another rank failed'}")
+        else:
+            row.update(status="ok", stage=(stage or {}).get("name"), detail=f"still waiting in {_where(stage)}")
+        rows.append(row)
+    return rows, findings
+
+
+def cross_rank(idents: Mapping[int, Mapping[str, Any]], backend: str) -> list[Finding]:
+    """What the identities of the ranks that joined say: shared GPUs, version and setting differences."""
+    out: list[Finding] = []
+    joined = {r: i for r, i in sorted(idents.items()) if i}
+    # Two ranks on one physical GPU
+    by_gpu: dict[tuple, list[int]] = defaultdict(list)
+    for r, i in joined.items():
+        if i.get("device", "cpu") != "cpu":
+            key = i.get("device_uuid") or (i.get("env", {}).get("CUDA_VISIBLE_DEVICES"), i["device"])
+            by_gpu[(i["host"], key)].append(r)
+    for (host, _), ranks in by_gpu.items():
+        if len(ranks) > 1:
+            i = joined[ranks[0]]
+            out.append(Finding(
+                "comm.shared-gpu", "fail" if backend == "nccl" else "warn",
+                f"ranks {', '.join(map(str, ranks))} share one GPU ({i['device']} {i.get('device_name') or ''} "
+                f"on host {host})".replace("  ", " "),
+                evidence=[f"{describe(joined[r], r)}: {joined[r]['device']} uuid {joined[r].get('device_uuid')}"
+                          for r in ranks] + [f"host {host} has {i.get('cuda_devices')} visible GPU(s)"],
+                fix=[f"start at most {i.get('cuda_devices')} rank(s) on host {host}: torchrun --nproc_per_node "
+                     f"{i.get('cuda_devices')}",
+                     "or give each rank its own GPU (CUDA_VISIBLE_DEVICES, or torch.cuda.set_device(LOCAL_RANK))"],
+                data={"host": host, "ranks": ranks},
+            ))
+    # Versions that differ between ranks
+    for field, severity in (("torch", "fail"), ("nccl", "fail"), ("cuda", "warn"), ("driver", "warn")):
+        groups: dict[Any, list[int]] = defaultdict(list)
+        for r, i in joined.items():
+            groups[i.get(field)].append(r)
+        if len(groups) > 1:
+            out.append(Finding(
+                f"comm.{field}-version-mismatch", severity, f"{field} versions differ between ranks",
+                evidence=[f"{field} {v}: ranks {_ranks(rs)}" for v, rs in groups.items()],
+                fix=[f"install the same {field} version on every node (one container image or environment)"],
+                data={"versions": {str(v): rs for v, rs in groups.items()}},
+            ))
+    # NCCL_* settings that differ between ranks
+    keys = sorted({k for i in joined.values() for k in i.get("env", {}) if k.startswith("NCCL_")})
+    for k in keys:
+        groups = defaultdict(list)
+        for r, i in joined.items():
+            groups[i.get("env", {}).get(k)].append(r)
+        if len(groups) > 1:
+            ev = [f"{k}={v}: ranks {_ranks(rs)}" if v is not None else f"unset: ranks {_ranks(rs)}"
+                  for v, rs in groups.items()]
+            out.append(Finding(
+                "comm.env-mismatch", "warn", f"{k} differs between ranks", evidence=ev,
+                fix=[f"set {k} the same way for every rank: export it in the job script before torchrun / srun, "
+                     "not in one node's shell profile"],
+                data={"variable": k, "values": {str(v): rs for v, rs in groups.items()}},
+            ))
+    # Ranks without a device while others have one
+    with_gpu = [r for r, i in joined.items() if i.get("cuda_devices")]
+    without = [r for r, i in joined.items() if not i.get("cuda_devices")]
+    if with_gpu and without:
+        out.append(Finding(
+            "comm.no-device", "fail", f"ranks {_ranks(without)} see no CUDA device while ranks {_ranks(with_gpu)} do",
+            evidence=[f"{describe(joined[r], r)}: CUDA_VISIBLE_DEVICES="
+                      f"{joined[r].get('env', {}).get('CUDA_VISIBLE_DEVICES', '(unset)')}" for r in without],
+            fix=["on those hosts check `nvidia-smi` and CUDA_VISIBLE_DEVICES, and that torch is a CUDA build "
+                 "(torch.version.cuda is not None)"],
+            data={"ranks": without},
+        ))
+    return out
+
+
+def _ranks(rs: list[int]) -> str:
+    return ", ".join(map(str, rs))

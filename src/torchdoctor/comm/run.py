@@ -1,0 +1,112 @@
+"""``torchdoctor comm``: prove every rank can talk to every other, or say which one cannot and where.
+
+Run it the way you run training: under torchrun (any node count), under srun (one task per GPU), or
+standalone with ``--local N``. Each stage (join, init, device, all_reduce, all_gather, broadcast, ring,
+barrier, and with ``--bench`` the benchmark) is bounded by ``--timeout``; a rank that never joins, dies
+or hangs is named in the verdict and every process exits instead of hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .session import EXIT_USAGE, Options
+
+DEFAULT_SIZES = "1K:64M:4"
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "int8", "uint8")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = (
+        "launch:\n"
+        "  torchdoctor comm --local 4                                   4 ranks on this machine\n"
+        "  torchrun --nproc_per_node 8 -m torchdoctor comm               one node\n"
+        "  torchrun --nnodes 2 --node_rank R --master_addr A --master_port 29500 \\\n"
+        "           --nproc_per_node 8 -m torchdoctor comm               two nodes (static)\n"
+        "  srun --ntasks-per-node 8 python -m torchdoctor comm          SLURM, one task per GPU\n"
+        "exit codes: 0 every rank passed, 1 a rank is missing, broken or stuck, 2 bad usage"
+    )
+    parser.add_argument("--local", type=int, metavar="N", default=None,
+                        help="start N ranks on this machine (no launcher needed)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
+                        help="auto (default): nccl when every rank has a CUDA device, else gloo")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds each stage (and each benchmark iteration) may take (default: 60)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--nccl-debug", choices=("INFO", "WARN", "TRACE", "VERSION"), default=None,
+                        help="set NCCL_DEBUG for this run (NCCL's own log goes to stderr)")
+    parser.add_argument("--nccl-debug-subsys", default=None, metavar="LIST",
+                        help="set NCCL_DEBUG_SUBSYS, e.g. INIT,NET,P2P")
+    bench = parser.add_argument_group("benchmark")
+    bench.add_argument("--bench", action="store_true",
+                       help="after the checks, time all_reduce, all_gather, reduce_scatter, broadcast, all_to_all")
+    bench.add_argument("--sizes", default=DEFAULT_SIZES,
+                       help=f"message sizes: a list ({DEFAULT_SIZES}) or a range START:END[:FACTOR] "
+                            "(1K:64M doubles); the full tensor's bytes, as in nccl-tests")
+    bench.add_argument("--iters", type=int, default=20, help="timed iterations per size (default: 20)")
+    bench.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default: 5)")
+    bench.add_argument("--dtype", default="float32", choices=DTYPES, help="element type (default: float32)")
+
+
+def _usage(message: str) -> int:
+    print(f"torchdoctor comm: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _options(args: argparse.Namespace) -> Options | str:
+    from .sizes import SizeError, parse_sizes
+
+    if args.timeout <= 0:
+        return "--timeout must be positive"
+    if args.iters < 1 or args.warmup < 0:
+        return "--iters must be at least 1 and --warmup at least 0"
+    try:
+        sizes = parse_sizes(args.sizes)
+    except SizeError as e:
+        return f"--sizes: {e}"
+    return Options(backend=args.backend, timeout=args.timeout, json=args.json, bench=args.bench, sizes=sizes,
+                   iters=args.iters, warmup=args.warmup, dtype=args.dtype, nccl_debug=args.nccl_debug,
+                   nccl_debug_subsys=args.nccl_debug_subsys)
+
+
+def _nothing_to_test(world: int, backend: str, has_cuda: bool) -> str | None:
+    if backend == "nccl" and not has_cuda:
+        return "--backend nccl needs CUDA, and torch sees no CUDA device here (use --backend gloo or auto)"
+    if world == 1 and (backend == "gloo" or not has_cuda):
+        return ("world size 1 without a GPU: nothing crosses a process boundary, so there is nothing to test; "
+                "start several ranks: torchdoctor comm --local 2, or torchrun --nproc_per_node N -m torchdoctor comm")
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = _options(args)
+    if isinstance(opts, str):
+        return _usage(opts)
+    from .launch import LaunchError, from_env
+
+    try:
+        launch = from_env(os.environ) if args.local is None else None
+    except LaunchError as e:
+        return _usage(str(e))
+    if args.local is not None and args.local < 1:
+        return _usage("--local needs at least 1 rank")
+    if args.local is None and launch is None:
+        return _usage("no launcher found (RANK/WORLD_SIZE or SLURM_PROCID unset): run under torchrun or srun, "
+                      "or start ranks here with --local N")
+    import torch
+
+    world = args.local if args.local is not None else launch.world_size
+    has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    # Only this machine's view: under a launcher, other ranks may differ, which the join stage sorts out.
+    if (args.local is not None or world == 1) and (msg := _nothing_to_test(world, args.backend, has_cuda)):
+        return _usage(msg)
+    if args.local is not None:
+        from .local import run_local
+
+        return run_local(args.local, opts)
+    from .session import RankSession
+
+    return RankSession(launch, opts).run()

@@ -1,0 +1,278 @@
+"""One rank's run of the check: stages under a watchdog, then one summary printed by one rank.
+
+Never hang: each stage has a deadline watched by a thread; a missed deadline, an exception, or a SIGTERM
+from the launcher all end in :meth:`RankSession.fail`, which records the failure in the side channel,
+waits briefly for the other ranks' records to settle, prints the verdict (if this rank is the reporter)
+and leaves with ``os._exit`` -- a process group with a dead peer cannot be torn down reliably.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from ..findings import Finding, render_text
+from . import checks, identity, rules
+from .launch import Launch
+from .sidechannel import SideChannel, StoreUnreachable
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+
+
+@dataclass
+class Options:
+    backend: str = "auto"
+    timeout: float = 60.0
+    json: bool = False
+    bench: bool = False
+    sizes: list[int] = field(default_factory=list)
+    iters: int = 20
+    warmup: int = 5
+    dtype: str = "float32"
+    nccl_debug: str | None = None
+    nccl_debug_subsys: str | None = None
+
+
+def summary_text(world: int, backend: str, rows: list[dict], findings: list[Finding], bench_text: str = "") -> str:
+    out = [f"torchdoctor comm: {world} ranks, backend {backend}"]
+    w_host = max([4] + [len(str(r["host"] or "?")) for r in rows])
+    w_dev = max([6] + [len(str(r["device"] or "?")) for r in rows])
+    out.append(f"{'rank':>4}  {'host':<{w_host}}  {'local':>5}  {'device':<{w_dev}}  status")
+    for r in rows:
+        status = {"ok": "OK", "broken": "BROKEN", "missing": "MISSING"}[r["status"]]
+        if r["detail"]:
+            status += f" ({r['detail']})"
+        local = "?" if r["local_rank"] is None else r["local_rank"]
+        out.append(f"{r['rank']:>4}  {str(r['host'] or '?'):<{w_host}}  {local:>5}  "
+                   f"{str(r['device'] or '?'):<{w_dev}}  {status}")
+    if bench_text:
+        out += ["", bench_text]
+    out += ["", render_text(findings)]
+    return "\n".join(out)
+
+
+class RankSession:
+    def __init__(self, launch: Launch, opts: Options):
+        self.launch, self.opts = launch, opts
+        self.channel: SideChannel | None = None
+        self.backend = opts.backend
+        self.stage, self.detail = "connect", ""
+        self.deadline: float | None = None
+        self._failing = threading.Lock()
+        self.bench_results: list = []
+        self.usage_error = False
+
+    # -- stage bookkeeping -------------------------------------------------------------------------
+    def touch(self) -> None:
+        """Progress was made: the current stage gets a fresh deadline."""
+        self.deadline = time.monotonic() + self.opts.timeout
+
+    def enter(self, name: str, detail: str = "") -> None:
+        self.stage, self.detail = name, detail
+        if self.channel:
+            self.channel.post_stage(name, detail)
+        self.touch()
+
+    @contextmanager
+    def run_stage(self, name: str, detail: str = ""):
+        self.enter(name, detail)
+        try:
+            yield
+        except checks.WrongResult as e:
+            self.fail("wrong", str(e))
+        except Exception as e:  # any failure inside a stage is a verdict, not a traceback
+            self.fail("error", f"{type(e).__name__}: {str(e).strip()}")
+        self.deadline = None
+
+    def _watchdog(self) -> None:
+        while True:
+            time.sleep(0.1)
+            d = self.deadline
+            if d is not None and time.monotonic() > d:
+                where = f"{self.stage} {self.detail}".strip()
+                self.fail("timeout", f"no progress in {where} for {self.opts.timeout:g} s")
+
+    def _sigterm(self) -> None:
+        signal.sigwait({signal.SIGTERM})
+        self.fail("terminated", "stopped by SIGTERM (launchers stop every rank when one fails)")
+
+    # -- the end -----------------------------------------------------------------------------------
+    def fail(self, kind: str, error: str) -> None:
+        """Record the failure, report, and leave the process. Never returns."""
+        if not self._failing.acquire(blocking=False):
+            threading.Event().wait()  # another thread is already reporting; it will exit the process
+        self.deadline = None
+        if self.channel is None:  # could not even reach the store
+            self._print_alone(kind, error)
+            self._exit(EXIT_PROBLEMS)
+        self.channel.post_final("broken", self.stage, self.detail, kind, error)
+        code = self.report(settle=min(self.opts.timeout, 8.0))
+        self._exit(code)
+
+    def _exit(self, code: int) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    def _print_alone(self, kind: str, error: str) -> None:
+        f = Finding(
+            "comm.store-unreachable", "fail", f"rank {self.launch.rank} cannot reach the rendezvous store",
+            evidence=[error],
+            fix=[f"check MASTER_ADDR/MASTER_PORT ({self.launch.master_addr}:{self.launch.master_port}): from this "
+                 "host `nc -zv <addr> <port>` must connect; rank 0 must be running (under srun it hosts the store)",
+                 "a firewall between nodes, or an address that resolves to another interface, gives the same "
+                 "symptom: use the IP of the interface the nodes share"],
+            data={"rank": self.launch.rank, "kind": kind},
+        )
+        if self.opts.json:
+            print(json.dumps({"world_size": self.launch.world_size, "backend": self.backend, "ranks": [],
+                              "findings": [f.to_json()]}))
+        else:
+            print(f"[rank {self.launch.rank}] " + render_text([f]))
+
+    def verdict(self, settle: float) -> tuple[list[dict], list[Finding], int, dict]:
+        """Rows, findings and exit code from the side channel, after letting it settle."""
+        ch = self.channel
+        snap = ch.snapshot(settle=settle)
+        if self.backend == "auto":
+            self.backend = ch.get("backend") or "auto"
+        rows, findings = rules.judge(snap, self.backend, self.opts.timeout, ch.lost,
+                                     None if self.launch.agent_store else 0)
+        findings += rules.cross_rank({r: s["identity"] for r, s in snap.items()}, self.backend)
+        if not any(f.severity == "fail" for f in findings) and all(r["status"] == "ok" for r in rows):
+            stages = "join, init, device, all_reduce, all_gather, broadcast, ring, barrier" + (
+                ", bench" if self.opts.bench else "")
+            findings.insert(0, Finding("comm.ok", "ok", f"all {len(rows)} ranks passed every stage ({stages})",
+                                       data={"backend": self.backend}))
+        code = EXIT_USAGE if self.usage_error else (
+            EXIT_PROBLEMS if any(f.severity == "fail" for f in findings) else EXIT_OK)
+        return rows, findings, code, snap
+
+    def report(self, settle: float) -> int:
+        """The reporter (lowest rank that reached its end) prints the verdict. Returns the exit code."""
+        rows, findings, code, snap = self.verdict(settle)
+        finals = [r for r, s in snap.items() if s["final"]]
+        if finals and min(finals) == self.launch.rank and self.channel.claim_report():
+            self._print(rows, findings)
+        self._leave([r for r, s in snap.items() if s["final"]])
+        return code
+
+    def _print(self, rows, findings) -> None:
+        from .bench import render_bench
+
+        if self.opts.json:
+            out = {"world_size": self.launch.world_size, "backend": self.backend, "timeout_s": self.opts.timeout,
+                   "launch": self.launch.mode, "ranks": rows, "findings": [f.to_json() for f in findings]}
+            if self.opts.bench:
+                out["bench"] = [b.to_json() for b in self.bench_results]
+            print(json.dumps(out))
+        else:
+            bench = render_bench(self.bench_results, self.launch.world_size) if self.bench_results else ""
+            print(summary_text(self.launch.world_size, self.backend, rows, findings, bench))
+        sys.stdout.flush()
+
+    def _leave(self, finished: list[int]) -> None:
+        """Under plain srun rank 0 hosts the store: it stays until the ranks that finished have read it."""
+        ch = self.channel
+        ch.post("left", True)
+        if ch.hosts_store:
+            ch.wait_for("left", time.monotonic() + 10, ranks=finished)
+        ch.close()
+
+    # -- the run -----------------------------------------------------------------------------------
+    def run(self) -> int:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # before any thread: only _sigterm gets it
+        threading.Thread(target=self._sigterm, name="torchdoctor-sigterm", daemon=True).start()
+        threading.Thread(target=self._watchdog, name="torchdoctor-watchdog", daemon=True).start()
+        if self.opts.nccl_debug:
+            os.environ["NCCL_DEBUG"] = self.opts.nccl_debug
+        if self.opts.nccl_debug_subsys:
+            os.environ["NCCL_DEBUG_SUBSYS"] = self.opts.nccl_debug_subsys
+        self.touch()
+        try:
+            self.channel = SideChannel(self.launch, self.opts.timeout)
+        except StoreUnreachable as e:
+            self.fail("error", str(e))
+        import torch
+        import torch.distributed as dist
+
+        me = identity.probe(self.launch.rank, self.launch.local_rank)
+        ch, n, rank = self.channel, self.launch.world_size, self.launch.rank
+        ch.post_identity(me)
+        ch.start_heartbeat()
+        with self.run_stage("join"):
+            missing = ch.wait_for("id", time.monotonic() + self.opts.timeout)
+            if missing:
+                self.fail("timeout", f"ranks {', '.join(map(str, sorted(missing)))} did not join within "
+                                     f"{self.opts.timeout:g} s")
+        idents = {r: ch.get(f"id/{r}") for r in range(n)}
+        self.backend = self._resolve_backend(idents)
+        if rank == 0:
+            ch.store.set("backend", json.dumps(self.backend))
+        use_gpu = me["device"] != "cpu"
+        device = torch.device(me["device"]) if use_gpu else torch.device("cpu")
+        comm_device = device if self.backend == "nccl" else torch.device("cpu")
+        with self.run_stage("init", self.backend):
+            if use_gpu:
+                torch.cuda.set_device(device)
+            dist.init_process_group(
+                self.backend, store=_prefix(ch, "pg"), rank=rank, world_size=n,
+                timeout=datetime.timedelta(seconds=self.opts.timeout + 30),  # our watchdog fires first
+            )
+        with self.run_stage("device", str(device)):
+            checks.allocate(torch, device)
+        with self.run_stage("all_reduce"):
+            checks.all_reduce(torch, dist, comm_device, rank, n)
+        with self.run_stage("all_gather", "identities"):
+            checks.all_gather_identity(dist, me, n, idents)
+        with self.run_stage("broadcast", "from rank 0"):
+            checks.broadcast(torch, dist, comm_device, rank)
+        with self.run_stage("ring", f"send {rank}->{(rank + 1) % n}, recv {(rank - 1) % n}->{rank}"):
+            checks.ring(torch, dist, comm_device, rank, n, lambda v: ch.post("ring", v))
+        with self.run_stage("barrier"):
+            dist.barrier()
+        if self.opts.bench:
+            self._bench(torch, dist, comm_device)
+        with self.run_stage("done"):
+            ch.post_final("ok", "done")
+            dist.destroy_process_group()
+        return self.report(settle=self.opts.timeout)
+
+    def _bench(self, torch, dist, device) -> None:
+        from .bench import Progress, run_bench
+        from .sizes import format_bytes
+
+        dtype = getattr(torch, self.opts.dtype)
+        progress = Progress(len(self.opts.sizes) * 5, enabled=self.launch.rank == 0)
+        with self.run_stage("bench"):
+            self.bench_results = run_bench(
+                torch, dist, device, self.launch.rank, self.launch.world_size, self.opts.sizes, dtype,
+                self.opts.iters, self.opts.warmup,
+                on_item=lambda op, nbytes: self.enter("bench", f"{op} {format_bytes(nbytes)}"),
+                on_iter=self.touch, progress=progress,
+            )
+
+    def _resolve_backend(self, idents: dict) -> str:
+        have = {r: bool(i and i.get("cuda_devices")) for r, i in idents.items()}
+        if self.opts.backend == "auto":
+            return "nccl" if all(have.values()) else "gloo"
+        if self.opts.backend == "nccl" and not all(have.values()):
+            self.usage_error = True
+            without = ", ".join(str(r) for r, h in have.items() if not h)
+            self.stage = "init"
+            self.fail("usage", f"--backend nccl needs a CUDA device on every rank; ranks {without} have none "
+                               "(use --backend gloo, or auto)")
+        return self.opts.backend
+
+
+def _prefix(ch: SideChannel, name: str):
+    from torch.distributed import PrefixStore
+
+    return PrefixStore(f"{ch.prefix}/{name}", ch.raw)

@@ -1,0 +1,175 @@
+"""The side channel: a key-value store next to the collectives, which a stuck collective cannot block.
+
+Every rank writes here who it is, the stage it entered, a heartbeat counter and its final status. When a
+collective fails or hangs, the survivors read this to say which rank never joined, died, or is stuck,
+and where. The store is the rendezvous TCPStore: under torchrun (and ``--local``) it lives in a process
+that outlives the ranks, so it survives any rank's death; under plain ``srun`` it lives in rank 0.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+from typing import Any
+
+from .launch import Launch
+
+HEARTBEAT_S = 0.25
+
+
+def key_prefix(run_id: str) -> str:
+    """The side channel's namespace in the store (PrefixStore adds the separating slash)."""
+    return f"torchdoctor/comm/{run_id}"
+
+
+class StoreUnreachable(RuntimeError):
+    """The rendezvous store could not be reached (wrong address, firewall, or its host is gone)."""
+
+
+def _tcp_store(launch: Launch, timeout: float, master: bool):
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(
+            launch.master_addr, launch.master_port, None, master,
+            timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False,
+        )
+    except Exception as e:  # RuntimeError / DistNetworkError / TimeoutError, depending on the torch version
+        where = f"{launch.master_addr}:{launch.master_port}"
+        raise StoreUnreachable(f"cannot reach the rendezvous store at {where}: {str(e).splitlines()[0]}") from e
+
+
+class SideChannel:
+    """Stage, heartbeat and status records of every rank, under one run's key prefix."""
+
+    def __init__(self, launch: Launch, timeout: float):
+        from torch.distributed import PrefixStore
+
+        self.launch = launch
+        self.timeout = timeout
+        self.hosts_store = launch.rank == 0 and not launch.agent_store
+        self.raw = _tcp_store(launch, timeout, master=self.hosts_store)
+        self.prefix = key_prefix(launch.run_id)
+        self.store = PrefixStore(self.prefix, self.raw)
+        self._beat_stop = threading.Event()
+        self._beat_thread: threading.Thread | None = None
+        self.lost: str | None = None  # set when the store stops answering
+
+    # -- writing ------------------------------------------------------------------------------------
+    def _set(self, key: str, value: Any) -> None:
+        try:
+            self.store.set(key, json.dumps(value))
+        except Exception as e:
+            self.lost = self.lost or str(e).splitlines()[0]
+
+    def post_identity(self, ident: dict) -> None:
+        self._set(f"id/{self.launch.rank}", ident)
+
+    def post_stage(self, name: str, detail: str = "") -> None:
+        self._set(f"stage/{self.launch.rank}", {"name": name, "detail": detail})
+
+    def post_final(self, status: str, stage: str, detail: str = "", kind: str = "", error: str = "") -> None:
+        self._set(f"final/{self.launch.rank}", {"status": status, "stage": stage, "detail": detail,
+                                                "kind": kind, "error": error})
+
+    def post(self, key: str, value: Any) -> None:
+        self._set(f"{key}/{self.launch.rank}", value)
+
+    def start_heartbeat(self) -> None:
+        """Bump ``hb/<rank>`` every HEARTBEAT_S from a thread with its own connection."""
+        from torch.distributed import PrefixStore
+
+        store = PrefixStore(self.prefix, _tcp_store(self.launch, self.timeout, master=False))
+        key = f"hb/{self.launch.rank}"
+
+        def beat():
+            while not self._beat_stop.is_set():
+                try:
+                    store.add(key, 1)
+                except Exception:
+                    return
+                self._beat_stop.wait(HEARTBEAT_S)
+
+        self._beat_thread = threading.Thread(target=beat, name="torchdoctor-heartbeat", daemon=True)
+        self._beat_thread.start()
+
+    def stop_heartbeat(self) -> None:
+        self._beat_stop.set()
+
+    def claim_report(self) -> bool:
+        """True for exactly one caller per run: the rank that prints the summary."""
+        try:
+            won = self.store.compare_set("reporter", "", str(self.launch.rank))
+        except Exception:
+            return True  # no store, no coordination: better two tables than none
+        return won.decode() == str(self.launch.rank)
+
+    # -- reading ------------------------------------------------------------------------------------
+    def get(self, key: str) -> Any:
+        """The JSON value at ``key``, or None when absent (never blocks)."""
+        try:
+            if not self.store.check([key]):
+                return None
+            return json.loads(self.store.get(key))
+        except Exception as e:
+            self.lost = self.lost or str(e).splitlines()[0]
+            return None
+
+    def heartbeats(self) -> dict[int, int]:
+        out = {}
+        for r in range(self.launch.world_size):
+            try:
+                out[r] = int(self.store.add(f"hb/{r}", 0))
+            except Exception as e:
+                self.lost = self.lost or str(e).splitlines()[0]
+                out[r] = -1
+        return out
+
+    def wait_for(self, kind: str, deadline: float, poll: float = 0.05, ranks=None) -> set[int]:
+        """Wait until every rank (of ``ranks``) has posted ``kind/<rank>`` or the deadline passes; the ranks missing."""
+        missing = set(range(self.launch.world_size) if ranks is None else ranks)
+        while True:
+            for r in sorted(missing):
+                if self.get(f"{kind}/{r}") is not None:
+                    missing.discard(r)
+            if not missing or time.monotonic() >= deadline or self.lost:
+                return missing
+            time.sleep(poll)
+
+    def snapshot(self, settle: float = 5.0, window: float = 1.2) -> dict[int, dict]:
+        """Every rank's records plus ``alive`` (heartbeat moved in the last ``window`` seconds).
+
+        Waits up to ``settle`` seconds for the picture to stop changing: every rank either posted its
+        final status or is known dead. Ranks still running after that are reported alive, in their stage.
+        """
+        n = self.launch.world_size
+        start = time.monotonic()
+        first = self.heartbeats()
+        moved: set[int] = set()
+        while True:
+            time.sleep(0.2)
+            now = self.heartbeats()
+            moved |= {r for r in range(n) if now[r] != first[r]}
+            finals = {r for r in range(n) if self.get(f"final/{r}") is not None}
+            elapsed = time.monotonic() - start
+            if self.lost:
+                break
+            if elapsed >= window and all(r in finals or r not in moved for r in range(n)):
+                break
+            if len(finals) == n or elapsed >= settle:
+                break
+        snap = {}
+        for r in range(n):
+            snap[r] = {
+                "identity": self.get(f"id/{r}"),
+                "stage": self.get(f"stage/{r}"),
+                "final": self.get(f"final/{r}"),
+                "ring": self.get(f"ring/{r}"),
+                "alive": r in moved,
+            }
+        return snap
+
+    def close(self) -> None:
+        self.stop_heartbeat()

@@ -1,0 +1,56 @@
+"""Message sizes for ``--sizes``: a list (``1K,1M,64M``) or a geometric range (``1K:64M``, ``8:1G:4``)."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+MAX_BYTES = 1 << 40
+
+
+class SizeError(ValueError):
+    """A malformed ``--sizes`` value (exit code 2)."""
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise SizeError(f"{text!r} is not a size (examples: 512, 64K, 1M, 2G)")
+    value = int(m.group(1)) * _UNITS[m.group(2).upper()]
+    if not 0 < value <= MAX_BYTES:
+        raise SizeError(f"{text!r}: a size must be between 1 byte and 1T")
+    return value
+
+
+def parse_sizes(text: str) -> list[int]:
+    """Bytes per message, ascending, without duplicates."""
+    if ":" in text:
+        parts = text.split(":")
+        if len(parts) not in (2, 3):
+            raise SizeError(f"{text!r}: a range is START:END or START:END:FACTOR")
+        lo, hi = parse_size(parts[0]), parse_size(parts[1])
+        factor = 2
+        if len(parts) == 3:
+            if not parts[2].strip().isdigit() or int(parts[2]) < 2:
+                raise SizeError(f"{text!r}: the factor must be an integer of at least 2")
+            factor = int(parts[2])
+        if hi < lo:
+            raise SizeError(f"{text!r}: the range ends below its start")
+        sizes, s = [], lo
+        while s <= hi:
+            sizes.append(s)
+            s *= factor
+        return sizes
+    items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise SizeError("--sizes is empty")
+    return sorted({parse_size(t) for t in items})
+
+
+def format_bytes(n: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"
+    return f"{n}B"
