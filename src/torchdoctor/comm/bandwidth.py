@@ -23,6 +23,8 @@ def bus_factor(op: str, n: int) -> float:
 
 def message_elements(op: str, nbytes: int, elem_size: int, n: int) -> tuple[int, int]:
     """(elements per rank's shard, actual S in bytes) for a requested S, rounded down to whole shards."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}")
     per = n if op in SHARDED else 1
     shard = max(1, nbytes // (elem_size * per))
     return shard, shard * elem_size * per

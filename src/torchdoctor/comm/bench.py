@@ -66,6 +66,11 @@ class Progress:
         self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.t0 = time.monotonic()
 
+    def start(self, text: str) -> None:
+        if self.enabled:
+            self.stream.write(f"[bench] {text}\n")
+            self.stream.flush()
+
     def step(self, label: str) -> None:
         self.done += 1
         if not self.enabled:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
+import subprocess
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,12 +25,22 @@ def _nccl_version(torch) -> str | None:
     return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
-def _driver_version(torch) -> str | None:
+def _driver_version() -> str | None:
+    """The NVIDIA driver version, from the kernel module's file or nvidia-smi (torch does not expose it)."""
     try:
-        v = int(torch._C._cuda_getDriverVersion())  # CUDA driver API version, e.g. 12040
-    except Exception:
+        with open("/proc/driver/nvidia/version") as f:
+            m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", f.read())
+        if m:
+            return m.group(1)
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
         return None
-    return f"{v // 1000}.{v % 1000 // 10}" if v else None
+    first = out.stdout.strip().splitlines()[:1]
+    return first[0].strip() if out.returncode == 0 and first else None
 
 
 def probe(rank: int, local_rank: int, env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -61,7 +73,7 @@ def probe(rank: int, local_rank: int, env: Mapping[str, str] | None = None) -> d
             device_name=props.name,
             device_uuid=str(getattr(props, "uuid", "")) or None,
             nccl=_nccl_version(torch),
-            driver=_driver_version(torch),
+            driver=_driver_version(),
         )
     return ident
 

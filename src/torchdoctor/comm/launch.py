@@ -76,7 +76,7 @@ def from_env(env: Mapping[str, str]) -> Launch | None:
         launch = Launch(rank, world, local, env["MASTER_ADDR"], _int(env, "MASTER_PORT"), mode, agent, run_id)
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-        if not nodes and "MASTER_ADDR" not in env:
+        if not nodes and not env.get("MASTER_ADDR"):
             raise LaunchError("under srun but neither SLURM_JOB_NODELIST nor MASTER_ADDR is set")
         addr = env.get("MASTER_ADDR") or expand_hostlist(nodes)[0]
         job = env.get("SLURM_JOB_ID", "0")

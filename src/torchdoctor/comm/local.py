@@ -17,13 +17,12 @@ from .session import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, Options
 
 
 def child_argv(opts: Options) -> list[str]:
-    from .sizes import format_bytes
 
     argv = ["--backend", opts.backend, "--timeout", f"{opts.timeout:g}"]
     if opts.json:
         argv.append("--json")
     if opts.bench:
-        argv += ["--bench", "--sizes", ",".join(format_bytes(s) for s in opts.sizes), "--iters", str(opts.iters),
+        argv += ["--bench", "--sizes", ",".join(str(s) for s in opts.sizes), "--iters", str(opts.iters),
                  "--warmup", str(opts.warmup), "--dtype", opts.dtype]
     if opts.nccl_debug:
         argv += ["--nccl-debug", opts.nccl_debug]
@@ -72,5 +71,7 @@ def _report_for_dead_ranks(n: int, port: int, opts: Options) -> None:
     from .sidechannel import SideChannel
 
     session.channel = SideChannel(launch, opts.timeout)
-    rows, findings, _, _ = session.verdict(settle=1.0)
+    rows, findings, _, snap = session.verdict(settle=1.0)
+    for row in rows:
+        row["identity"] = snap[row["rank"]]["identity"]
     session._print(rows, findings)

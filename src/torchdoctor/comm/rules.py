@@ -15,7 +15,6 @@ from .identity import describe, device_label
 
 STAGES = ("connect", "join", "init", "device", "all_reduce", "all_gather", "broadcast", "ring", "barrier",
           "bench", "done")
-VICTIM_KINDS = frozenset({"timeout", "error", "terminated"})
 
 
 def stage_index(name: str | None) -> int:
@@ -51,19 +50,30 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
     """Rows of the summary table and the findings explaining the run (the fault first)."""
     n = len(snap)
     ident = {r: rec.get("identity") for r, rec in snap.items()}
-    missing = [r for r in range(n) if not ident[r]]
-    dead = [r for r in range(n) if ident[r] and not snap[r].get("final") and not snap[r].get("alive")]
-    running = [r for r in range(n) if ident[r] and not snap[r].get("final") and snap[r].get("alive")]
     finals = {r: snap[r]["final"] for r in range(n) if snap[r].get("final")}
+    if store_lost and store_host_rank is not None:
+        # The store's host is gone and liveness cannot be read: only it is known dead, the rest is unknown.
+        missing = []
+        dead = [store_host_rank] if store_host_rank not in finals else []
+    else:
+        missing = [r for r in range(n) if not ident[r]]
+        dead = [r for r in range(n) if ident[r] and r not in finals and not snap[r].get("alive")]
+    running = [r for r in range(n) if r not in finals and r not in missing and r not in dead]
     broken = {r: f for r, f in finals.items() if f["status"] != "ok"}
     failed_at = max((stage_index(f["stage"]) for f in broken.values()), default=-1)
-    stuck = [r for r in running if stage_index((snap[r].get("stage") or {}).get("name")) < failed_at]
+    stuck = [] if store_lost else [
+        r for r in running if stage_index((snap[r].get("stage") or {}).get("name")) < failed_at]
     wrong = [r for r, f in broken.items() if f.get("kind") == "wrong"]
     usage = [r for r, f in broken.items() if f.get("kind") == "usage"]
-    own = [r for r, f in broken.items() if f.get("kind") not in VICTIM_KINDS and r not in wrong and r not in usage]
-    if store_lost and store_host_rank is not None and store_host_rank not in dead and not finals.get(store_host_rank):
-        dead = sorted({*dead, store_host_rank} - set(missing))
-    culprits = sorted({*missing, *dead, *stuck, *wrong, *own, *usage})
+    primary = sorted({*missing, *dead, *stuck, *wrong, *usage})
+    # Without a dead, missing or stuck rank, the ranks that raised at the earliest stage failed on their own;
+    # ranks that raised or timed out later were waiting on them.
+    errors = {r: f for r, f in broken.items() if f.get("kind") == "error"}
+    own: list[int] = []
+    if not primary and errors:
+        first = min(stage_index(f["stage"]) for f in errors.values())
+        own = sorted(r for r, f in errors.items() if stage_index(f["stage"]) == first)
+    culprits = sorted({*primary, *own})
     findings: list[Finding] = []
     blame = []
     if usage:
@@ -113,23 +123,47 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
         ))
     for r in wrong:
         f = broken[r]
+        blame.append(f"{describe(ident[r], r)} got a wrong result")
+        corrupted = (["data arrives corrupted: try NCCL_P2P_DISABLE=1; if that fixes it, PCIe ACS or the IOMMU "
+                      "interferes with GPU peer-to-peer (disable ACS / iommu=pt)"] + network_fixes(backend)[-1:]
+                     if backend == "nccl" else
+                     ["data arrives corrupted between processes: check the host's memory (ECC errors in `dmesg`) "
+                      "and rerun; a reproducible corruption on gloo is a bug worth reporting to PyTorch"])
         findings.append(Finding(
             "comm.wrong-result", "fail", f"{describe(ident[r], r)} got a wrong {f['stage']} result",
             evidence=[f["error"]],
-            fix=["data arrives corrupted: try NCCL_P2P_DISABLE=1; if that fixes it, PCIe ACS or the IOMMU "
-                 "interferes with GPU peer-to-peer (disable ACS / iommu=pt)"] + network_fixes(backend)[-1:],
+            fix=corrupted,
             data={"rank": r, "stage": f["stage"]},
         ))
-    for r in own:
-        f = broken[r]
+    if len(own) > 1 and set(own) == set(broken):
+        f = broken[own[0]]
         findings.append(Finding(
             "comm.stage-error", "fail",
-            f"{describe(ident[r], r)} failed in {f['stage']}: {f['error'].splitlines()[0][:200]}",
-            evidence=[f["error"]],
-            fix=network_fixes(backend) if f["stage"] not in ("device",) else
-            ["check the rank's GPU with `nvidia-smi` (memory in use, Xid errors in `dmesg`)"],
-            data={"rank": r, "stage": f["stage"]},
+            f"{f['stage']} failed on every rank ({_ranks(own)}): {f['error'].splitlines()[0][:200]}",
+            evidence=[f"rank {r}: {broken[r]['error'].splitlines()[0][:200]}" for r in own],
+            fix=network_fixes(backend), data={"ranks": own, "stage": f["stage"]},
         ))
+    else:
+        for r in own:
+            f = broken[r]
+            blame.append(f"{describe(ident[r], r)} failed in {f['stage']}")
+            findings.append(Finding(
+                "comm.stage-error", "fail",
+                f"{describe(ident[r], r)} failed in {f['stage']}: {f['error'].splitlines()[0][:200]}",
+                evidence=[f["error"]],
+                fix=network_fixes(backend) if f["stage"] != "device" else
+                ["check the rank's GPU with `nvidia-smi` (memory in use by other processes, Xid errors in "
+                 "`dmesg`)"],
+                data={"ranks": [r], "stage": f["stage"]},
+            ))
+    if store_lost and not (store_host_rank is not None and store_host_rank in dead):
+        findings.append(Finding(
+            "comm.store-lost", "fail", f"the rendezvous store stopped answering: {store_lost}",
+            evidence=["without it the other ranks' states cannot be read; the table shows what was seen before"],
+            fix=["the store lives in the launcher (torchrun's agent on the first node): check that node and "
+                 "the launcher's own output"],
+        ))
+        culprits = culprits or sorted(broken)
     if not culprits and broken:
         stages = sorted({f["stage"] for f in broken.values()}, key=stage_index)
         where = " / ".join(stages)
@@ -162,6 +196,9 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
             row.update(status="missing", stage="join", detail="never joined")
         elif r in dead:
             row.update(status="broken", stage=(stage or {}).get("name"), detail=f"died during {_where(stage)}")
+        elif store_lost and not f:
+            row.update(status="ok", stage=(stage or {}).get("name"),
+                       detail="state unknown: the side channel was lost")
         elif r in stuck:
             row.update(status="broken", stage=(stage or {}).get("name"), detail=f"stuck in {_where(stage)}")
         elif f and f["status"] == "ok":
@@ -205,7 +242,8 @@ def cross_rank(idents: Mapping[int, Mapping[str, Any]], backend: str) -> list[Fi
     for field, severity in (("torch", "fail"), ("nccl", "fail"), ("cuda", "warn"), ("driver", "warn")):
         groups: dict[Any, list[int]] = defaultdict(list)
         for r, i in joined.items():
-            groups[i.get(field)].append(r)
+            if i.get(field) is not None:  # no CUDA device: no nccl / driver version to compare
+                groups[i.get(field)].append(r)
         if len(groups) > 1:
             out.append(Finding(
                 f"comm.{field}-version-mismatch", severity, f"{field} versions differ between ranks",

@@ -145,10 +145,12 @@ class RankSession:
             self.backend = ch.get("backend") or "auto"
         rows, findings = rules.judge(snap, self.backend, self.opts.timeout, ch.lost,
                                      None if self.launch.agent_store else 0)
-        findings += rules.cross_rank({r: s["identity"] for r, s in snap.items()}, self.backend)
+        # What the identities show (a shared GPU, differing versions) is often the cause of a failed stage
+        cross = rules.cross_rank({r: s["identity"] for r, s in snap.items()}, self.backend)
+        findings = [f for f in cross if f.severity == "fail"] + findings + [f for f in cross if f.severity != "fail"]
         if not any(f.severity == "fail" for f in findings) and all(r["status"] == "ok" for r in rows):
-            stages = "join, init, device, all_reduce, all_gather, broadcast, ring, barrier" + (
-                ", bench" if self.opts.bench else "")
+            stages = "join, init, device, all_reduce, all_gather, broadcast" + (
+                ", ring" if self.launch.world_size > 1 else "") + ", barrier" + (", bench" if self.opts.bench else "")
             findings.insert(0, Finding("comm.ok", "ok", f"all {len(rows)} ranks passed every stage ({stages})",
                                        data={"backend": self.backend}))
         code = EXIT_USAGE if self.usage_error else (
@@ -158,6 +160,8 @@ class RankSession:
     def report(self, settle: float) -> int:
         """The reporter (lowest rank that reached its end) prints the verdict. Returns the exit code."""
         rows, findings, code, snap = self.verdict(settle)
+        for row in rows:  # --json carries each rank's full identity (versions, device UUID, NCCL_* env)
+            row["identity"] = snap[row["rank"]]["identity"]
         finals = [r for r, s in snap.items() if s["final"]]
         if finals and min(finals) == self.launch.rank and self.channel.claim_report():
             self._print(rows, findings)
@@ -222,9 +226,12 @@ class RankSession:
         with self.run_stage("init", self.backend):
             if use_gpu:
                 torch.cuda.set_device(device)
+            # device_id makes NCCL create its communicator here, so NCCL's own start-up errors land in "init"
+            bound = {"device_id": device} if self.backend == "nccl" else {}
             dist.init_process_group(
                 self.backend, store=_prefix(ch, "pg"), rank=rank, world_size=n,
                 timeout=datetime.timedelta(seconds=self.opts.timeout + 30),  # our watchdog fires first
+                **bound,
             )
         with self.run_stage("device", str(device)):
             checks.allocate(torch, device)
@@ -234,8 +241,9 @@ class RankSession:
             checks.all_gather_identity(dist, me, n, idents)
         with self.run_stage("broadcast", "from rank 0"):
             checks.broadcast(torch, dist, comm_device, rank)
-        with self.run_stage("ring", f"send {rank}->{(rank + 1) % n}, recv {(rank - 1) % n}->{rank}"):
-            checks.ring(torch, dist, comm_device, rank, n, lambda v: ch.post("ring", v))
+        if n > 1:  # NCCL refuses a send to oneself; one rank has no link to test anyway
+            with self.run_stage("ring", f"send {rank}->{(rank + 1) % n}, recv {(rank - 1) % n}->{rank}"):
+                checks.ring(torch, dist, comm_device, rank, n, lambda v: ch.post("ring", v))
         with self.run_stage("barrier"):
             dist.barrier()
         if self.opts.bench:
@@ -251,6 +259,8 @@ class RankSession:
 
         dtype = getattr(torch, self.opts.dtype)
         progress = Progress(len(self.opts.sizes) * 5, enabled=self.launch.rank == 0)
+        progress.start(f"5 ops x {len(self.opts.sizes)} sizes, {self.opts.iters} timed iterations each "
+                       f"(+{self.opts.warmup} warmup), {self.launch.world_size} ranks, {self.backend}")
         with self.run_stage("bench"):
             self.bench_results = run_bench(
                 torch, dist, device, self.launch.rank, self.launch.world_size, self.opts.sizes, dtype,

@@ -56,6 +56,7 @@ class SideChannel:
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
         self.lost: str | None = None  # set when the store stops answering
+        self._seen: dict[str, Any] = {}  # last values read: what a lost store leaves us
 
     # -- writing ------------------------------------------------------------------------------------
     def _set(self, key: str, value: Any) -> None:
@@ -108,14 +109,17 @@ class SideChannel:
 
     # -- reading ------------------------------------------------------------------------------------
     def get(self, key: str) -> Any:
-        """The JSON value at ``key``, or None when absent (never blocks)."""
+        """The JSON value at ``key``, or None when absent (never blocks); the last value seen once lost."""
+        if self.lost:
+            return self._seen.get(key)
         try:
             if not self.store.check([key]):
                 return None
-            return json.loads(self.store.get(key))
+            value = self._seen[key] = json.loads(self.store.get(key))
+            return value
         except Exception as e:
             self.lost = self.lost or str(e).splitlines()[0]
-            return None
+            return self._seen.get(key)
 
     def heartbeats(self) -> dict[int, int]:
         out = {}

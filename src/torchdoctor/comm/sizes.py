@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40,
+          "TIB": 1 << 40}
 MAX_BYTES = 1 << 40
 
 
@@ -49,8 +50,10 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def format_bytes(n: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+    """``64M``, ``1K``; a size that is not a whole number of units shows decimals (``976.562K``)."""
+    for unit, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= scale:
-            v = n / scale
-            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"
+            if n % scale == 0:
+                return f"{n // scale}{unit}"
+            return f"{n / scale:.3f}".rstrip("0") + unit
     return f"{n}B"

@@ -1,0 +1,457 @@
+"""The verdict rules of `torchdoctor comm` over fabricated side-channel snapshots and rank identities."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchdoctor.comm.rules import STAGES, cross_rank, judge, network_fixes, stage_index
+from torchdoctor.findings import worst
+
+TIMEOUT = 30.0
+
+
+def ident(rank, host="a", local_rank=None, **kw):
+    """An identity as identity.probe() reports it, on a host with 8 GPUs."""
+    lr = rank if local_rank is None else local_rank
+    d = {"rank": rank, "host": host, "local_rank": lr, "pid": 1000 + rank, "torch": "2.4.0+cu124", "cuda": "12.4",
+         "nccl": "2.21.5", "driver": "12.4", "device": f"cuda:{lr}", "device_name": "NVIDIA H100 80GB HBM3",
+         "device_uuid": f"GPU-{host}-{lr}", "cuda_devices": 8, "env": {"NCCL_DEBUG": "WARN"}}
+    d.update(kw)
+    return d
+
+
+def ok_final():
+    return {"status": "ok", "stage": "done", "detail": "", "kind": "", "error": ""}
+
+
+def broken(stage, kind="timeout", error=None, detail=""):
+    error = error or f"no progress in {stage} for {TIMEOUT:g} s"
+    return {"status": "broken", "stage": stage, "detail": detail, "kind": kind, "error": error}
+
+
+def rec(identity, stage=None, final=None, ring=None, alive=False):
+    if isinstance(stage, str):
+        stage = {"name": stage, "detail": ""}
+    elif isinstance(stage, tuple):
+        stage = {"name": stage[0], "detail": stage[1]}
+    return {"identity": identity, "stage": stage, "final": final, "ring": ring, "alive": alive}
+
+
+def by_id(findings):
+    out = {}
+    for f in findings:
+        out.setdefault(f.id, []).append(f)
+    return out
+
+
+def only(findings, id_):
+    got = [f for f in findings if f.id == id_]
+    assert len(got) == 1, [f.id for f in findings]
+    return got[0]
+
+
+# -- judge ------------------------------------------------------------------------------------------
+
+def test_stage_index():
+    assert stage_index("connect") == 0
+    assert stage_index("done") == len(STAGES) - 1
+    assert stage_index("all_reduce") < stage_index("ring") < stage_index("bench")
+    assert stage_index(None) == -1
+    assert stage_index("nope") == -1
+
+
+def test_all_ok():
+    ring = {"received": True, "sent": True}
+    snap = {r: rec(ident(r, host="ab"[r // 2], local_rank=r % 2), "done", ok_final(), ring) for r in range(4)}
+    rows, findings = judge(snap, "nccl", TIMEOUT)
+    assert findings == []
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["status"] == "ok" and r["stage"] == "done" and r["detail"] == "" for r in rows)
+    assert [r["host"] for r in rows] == ["a", "a", "b", "b"]
+    assert [r["local_rank"] for r in rows] == [0, 1, 0, 1]
+    assert rows[1]["device"] == "cuda:1 NVIDIA H100 80GB HBM3"
+
+
+def test_missing_rank():
+    snap = {r: rec(ident(r), "join", broken("join", error="ranks 2 did not join within 30 s")) for r in (0, 1, 3)}
+    snap[2] = rec(None)
+    rows, findings = judge(snap, "nccl", TIMEOUT)
+    f = only(findings, "comm.rank-missing")
+    assert [x.id for x in findings] == ["comm.rank-missing"]
+    assert f.severity == "fail"
+    assert f.title == "rank 2 never joined (no contact within 30 s)"
+    assert f.data == {"rank": 2}
+    assert f.evidence == ["ranks that joined: 0, 1, 3"]
+    assert any("rank 2" in fx and "--nproc_per_node" in fx for fx in f.fix)
+    assert rows[2] == {"rank": 2, "host": None, "local_rank": None, "device": None, "status": "missing",
+                       "stage": "join", "detail": "never joined"}
+    for r in (0, 1, 3):
+        assert rows[r]["status"] == "ok"
+        assert rows[r]["stage"] == "join"
+        assert "rank 2 never joined" in rows[r]["detail"]
+
+
+def test_missing_ranks_while_others_still_wait():
+    snap = {0: rec(ident(0), "join", alive=True), 1: rec(None), 2: rec(None)}
+    rows, findings = judge(snap, "gloo", 5)
+    assert [(f.id, f.data["rank"]) for f in findings] == [("comm.rank-missing", 1), ("comm.rank-missing", 2)]
+    assert findings[0].title == "rank 1 never joined (no contact within 5 s)"
+    assert findings[0].evidence == ["ranks that joined: 0"]
+    assert rows[0]["status"] == "ok" and rows[0]["detail"] == "still waiting in join"
+    assert [r["status"] for r in rows] == ["ok", "missing", "missing"]
+
+
+def test_nobody_joined():
+    rows, findings = judge({0: rec(None), 1: rec(None)}, "gloo", TIMEOUT)
+    assert findings[0].evidence == ["ranks that joined: none"]
+    assert {r["status"] for r in rows} == {"missing"}
+
+
+def test_dead_rank():
+    snap = {r: rec(ident(r, host="ab"[r // 2], local_rank=r % 2), ("bench", "all_reduce 16M"),
+                   broken("bench", detail="all_reduce 16M"), alive=True) for r in range(4)}
+    snap[3] = rec(ident(3, host="b", local_rank=1), ("bench", "all_reduce 16M"), None, alive=False)
+    rows, findings = judge(snap, "nccl", TIMEOUT)
+    assert [f.id for f in findings] == ["comm.rank-died"]
+    f = findings[0]
+    assert f.severity == "fail"
+    assert f.title == "rank 3 (host b, local rank 1) died during bench all_reduce 16M"
+    assert f.data == {"rank": 3, "stage": "bench", "detail": "all_reduce 16M"}
+    assert "last stage entered: bench all_reduce 16M" in f.evidence[0]
+    assert any("host b" in fx and "dmesg" in fx for fx in f.fix)
+    assert not any("rendezvous store" in e for e in f.evidence)
+    assert rows[3]["status"] == "broken"
+    assert rows[3]["stage"] == "bench"
+    assert rows[3]["detail"] == "died during bench all_reduce 16M"
+    for r in (0, 1, 2):
+        assert rows[r]["status"] == "ok"
+        assert rows[r]["detail"] == "stopped in bench: rank 3 (host b, local rank 1) died"
+
+
+def test_dead_rank_before_any_stage():
+    snap = {0: rec(ident(0), "join", broken("join")), 1: rec(ident(1), None, None, alive=False)}
+    rows, findings = judge(snap, "gloo", TIMEOUT)
+    f = only(findings, "comm.rank-died")
+    assert f.title == "rank 1 (host a, local rank 1) died during join"
+    assert f.data == {"rank": 1, "stage": None, "detail": None}
+    assert rows[1]["detail"] == "died during join"
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_stuck_rank(backend):
+    snap = {r: rec(ident(r), "all_reduce", broken("all_reduce"), alive=True) for r in (0, 2, 3)}
+    snap[1] = rec(ident(1), ("init", backend), None, alive=True)
+    rows, findings = judge(snap, backend, TIMEOUT)
+    assert [f.id for f in findings] == ["comm.rank-stuck"]
+    f = findings[0]
+    assert f.severity == "fail"
+    assert f.title == f"rank 1 (host a, local rank 1) is alive but stuck in init {backend}"
+    assert f.data == {"rank": 1, "stage": "init"}
+    assert "(all_reduce)" in f.evidence[0]
+    assert f.fix == network_fixes(backend)
+    assert rows[1]["status"] == "broken" and rows[1]["detail"] == f"stuck in init {backend}"
+    assert rows[0]["status"] == "ok" and "rank 1 (host a, local rank 1) is stuck" in rows[0]["detail"]
+
+
+def test_stuck_in_device_stage_points_at_the_gpu():
+    snap = {0: rec(ident(0), "all_reduce", broken("all_reduce"), alive=True),
+            1: rec(ident(1), ("device", "cuda:1"), None, alive=True)}
+    _, findings = judge(snap, "nccl", TIMEOUT)
+    f = only(findings, "comm.rank-stuck")
+    assert len(f.fix) == 1 and "nvidia-smi" in f.fix[0]
+
+
+def test_alive_rank_at_the_failing_stage_is_not_stuck():
+    """A rank still waiting where another just timed out is a victim too: a stage timeout, not a stuck rank."""
+    snap = {0: rec(ident(0), "all_reduce", broken("all_reduce"), alive=True),
+            1: rec(ident(1), "all_reduce", None, alive=True)}
+    rows, findings = judge(snap, "nccl", TIMEOUT)
+    assert [f.id for f in findings] == ["comm.stage-timeout"]
+    assert rows[1] == {**rows[1], "status": "ok", "detail": "still waiting in all_reduce"}
+    assert rows[0]["status"] == "broken"
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_wrong_result(backend):
+    err = "all_reduce sum: 4096 of 4096 elements wrong; first at [0]: got 5, expected 6"
+    snap = {r: rec(ident(r), "all_gather", broken("all_gather"), alive=True) for r in range(3)}
+    snap[1] = rec(ident(1), "all_reduce", broken("all_reduce", kind="wrong", error=err), alive=True)
+    rows, findings = judge(snap, backend, TIMEOUT)
+    assert [f.id for f in findings] == ["comm.wrong-result"]
+    f = findings[0]
+    assert f.severity == "fail"
+    assert f.title == "rank 1 (host a, local rank 1) got a wrong all_reduce result"
+    assert f.evidence == [err]
+    if backend == "nccl":
+        assert "NCCL_P2P_DISABLE=1" in f.fix[0]
+        assert f.fix[-1] == network_fixes(backend)[-1]
+    else:
+        assert "ECC" in f.fix[0] and not any("NCCL" in fx for fx in f.fix)
+    assert f.data == {"rank": 1, "stage": "all_reduce"}
+    assert rows[1]["status"] == "broken" and rows[1]["detail"] == err
+    assert rows[0]["status"] == rows[2]["status"] == "ok"
+
+
+def _ring_snapshot(n, deaf):
+    snap = {}
+    for r in range(n):
+        ring = None if r in deaf else {"received": True, "sent": False}
+        detail = f"send {r}->{(r + 1) % n}, recv {(r - 1) % n}->{r}"
+        snap[r] = rec(ident(r), ("ring", detail), broken("ring", detail=detail), ring=ring, alive=True)
+    return snap
+
+
+def test_link_broken():
+    rows, findings = judge(_ring_snapshot(4, deaf={2}), "nccl", TIMEOUT)
+    assert [f.id for f in findings] == ["comm.link-broken"]
+    f = findings[0]
+    assert f.severity == "fail"
+    assert f.title == "ring did not complete between ranks that are all alive (links 1->2)"
+    assert f.data == {"stages": ["ring"], "links": ["1->2"]}
+    assert "ring links that carried nothing: 1->2" in f.evidence
+    assert "ranks 0, 1, 2, 3 timed out or failed in ring" in f.evidence[0]
+    assert f.fix == network_fixes("nccl")
+    assert all(r["status"] == "broken" and r["stage"] == "ring" for r in rows)
+
+
+def test_link_broken_wraps_around_and_lists_every_deaf_rank():
+    _, findings = judge(_ring_snapshot(3, deaf={0, 2}), "gloo", TIMEOUT)
+    f = only(findings, "comm.link-broken")
+    assert f.data["links"] == ["2->0", "1->2"]
+    assert "(links 2->0, 1->2)" in f.title
+    assert f.fix == network_fixes("gloo")
+
+
+def test_stage_timeout_without_ring_data():
+    snap = {r: rec(ident(r), "all_reduce", broken("all_reduce"), alive=True) for r in range(4)}
+    rows, findings = judge(snap, "nccl", TIMEOUT)
+    assert [f.id for f in findings] == ["comm.stage-timeout"]
+    f = findings[0]
+    assert f.title == "all_reduce did not complete between ranks that are all alive"
+    assert f.data == {"stages": ["all_reduce"], "links": []}
+    assert all(r["status"] == "broken" for r in rows)
+
+
+def test_ring_timeout_with_every_link_carrying_data_is_a_stage_timeout():
+    rows, findings = judge(_ring_snapshot(2, deaf=set()), "nccl", TIMEOUT)
+    assert [f.id for f in findings] == ["comm.stage-timeout"]
+    assert findings[0].data["links"] == []
+
+
+def test_network_fixes():
+    nccl = " ".join(network_fixes("nccl"))
+    for needle in ("NCCL_DEBUG=INFO", "NCCL_SOCKET_IFNAME", "NCCL_P2P_DISABLE=1", "CUDA_VISIBLE_DEVICES"):
+        assert needle in nccl
+    assert "GLOO_SOCKET_IFNAME" not in nccl
+    gloo = " ".join(network_fixes("gloo"))
+    assert "GLOO_SOCKET_IFNAME" in gloo
+    assert "NCCL" not in gloo
+
+
+def test_store_lost_blames_the_store_host():
+    snap = {0: rec(ident(0), "all_reduce", None, alive=False)}
+    snap.update({r: rec(ident(r), "all_reduce", broken("all_reduce"), alive=False) for r in (1, 2)})
+    rows, findings = judge(snap, "nccl", TIMEOUT, store_lost="Connection reset by peer", store_host_rank=0)
+    assert [f.id for f in findings] == ["comm.rank-died"]
+    f = findings[0]
+    assert f.data["rank"] == 0
+    assert f.title == "rank 0 (host a, local rank 0), which hosts the rendezvous store, died or became unreachable"
+    assert "the store stopped answering: Connection reset by peer" in f.evidence
+    assert rows[0]["status"] == "broken"
+
+
+def test_store_lost_overrides_a_store_host_that_looked_alive():
+    """The heartbeat read fails once the store is gone: a store host without a final counts as died."""
+    snap = {0: rec(ident(0), "all_reduce", None, alive=True),
+            1: rec(ident(1, host="b", local_rank=0), "all_reduce", broken("all_reduce"), alive=True)}
+    rows, findings = judge(snap, "gloo", TIMEOUT, store_lost="Broken pipe", store_host_rank=0)
+    assert [(f.id, f.data["rank"]) for f in findings] == [("comm.rank-died", 0)]
+    assert "which hosts the rendezvous store" in findings[0].title
+    assert rows[0]["status"] == "broken"
+    assert rows[1]["status"] == "ok" and "rank 0 (host a, local rank 0) died" in rows[1]["detail"]
+    # the same records without a lost store: nobody died, the two are waiting on each other
+    _, findings = judge(snap, "gloo", TIMEOUT)
+    assert [f.id for f in findings] == ["comm.stage-timeout"]
+
+
+def test_store_lost_missing_ranks_are_reported_as_unheard():
+    snap = {0: rec(ident(0), "init", broken("init")), 1: rec(None)}
+    _, findings = judge(snap, "gloo", TIMEOUT, store_lost="Broken pipe", store_host_rank=0)
+    rows, findings = judge(snap, "gloo", TIMEOUT, store_lost="Broken pipe", store_host_rank=0)
+    # rank 0 posted its final: the store host is not blamed; rank 1 is unknown, not "missing"
+    assert [f.id for f in findings] == ["comm.store-lost"]
+    assert "Broken pipe" in findings[0].title
+    assert rows[1]["detail"] == "state unknown: the side channel was lost"
+
+
+def test_store_host_without_identity_is_blamed_as_the_lost_store():
+    snap = {0: rec(None), 1: rec(ident(1), "join", broken("join"))}
+    _, findings = judge(snap, "gloo", TIMEOUT, store_lost="Broken pipe", store_host_rank=0)
+    assert [(f.id, f.data["rank"]) for f in findings] == [("comm.rank-died", 0)]
+    assert "hosts the rendezvous store" in findings[0].title
+
+
+def test_store_lost_without_a_store_host_blames_nobody_extra():
+    snap = {0: rec(ident(0), "init", None, alive=True), 1: rec(ident(1), "init", None, alive=True)}
+    rows, findings = judge(snap, "nccl", TIMEOUT, store_lost="Broken pipe", store_host_rank=None)
+    assert [f.id for f in findings] == ["comm.store-lost"]
+    assert [r["detail"] for r in rows] == ["state unknown: the side channel was lost"] * 2
+
+
+def test_store_host_alive_in_snapshot_is_blamed_once():
+    snap = {0: rec(ident(0), ("init", "nccl"), None, alive=True),
+            1: rec(ident(1), "all_reduce", broken("all_reduce"), alive=True)}
+    rows, findings = judge(snap, "nccl", TIMEOUT, store_lost="Broken pipe", store_host_rank=0)
+    assert [f.id for f in findings] == ["comm.rank-died"]
+    assert rows[1]["detail"] == "stopped in all_reduce: rank 0 (host a, local rank 0) died"
+
+
+def test_usage_error_is_one_finding():
+    err = "--backend nccl needs a CUDA device on every rank; ranks 1 have none (use --backend gloo, or auto)"
+    snap = {0: rec(ident(0), "init", broken("init", kind="usage", error=err)),
+            1: rec(ident(1, device="cpu", cuda_devices=0), "init", broken("init", kind="usage", error=err))}
+    rows, findings = judge(snap, "nccl", TIMEOUT)
+    assert [f.id for f in findings] == ["comm.backend-unavailable"]
+    f = findings[0]
+    assert f.severity == "fail"
+    assert f.title == err
+    assert f.data == {"ranks": [0, 1]}
+    assert "--backend gloo" in f.fix[0]
+    assert [r["status"] for r in rows] == ["broken", "broken"]
+
+
+def test_fault_findings_precede_and_severity_is_fail():
+    snap = {0: rec(ident(0), "all_reduce", broken("all_reduce"), alive=True),
+            1: rec(None),
+            2: rec(ident(2), "init", None, alive=False)}
+    _, findings = judge(snap, "nccl", TIMEOUT)
+    assert [(f.id, f.data["rank"]) for f in findings] == [("comm.rank-missing", 1), ("comm.rank-died", 2)]
+    assert worst(findings) == "fail"
+
+
+def test_own_error_in_device_stage_is_blamed_on_that_rank():
+    oom = "OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 MiB"
+    snap = {r: rec(ident(r), "all_reduce", broken("all_reduce"), alive=False) for r in (0, 2)}
+    snap[1] = rec(ident(1), ("device", "cuda:1"), broken("device", kind="error", error=oom), alive=False)
+    _, findings = judge(snap, "nccl", TIMEOUT)
+    f = only(findings, "comm.stage-error")
+    assert f.data == {"ranks": [1], "stage": "device"}
+    assert "nvidia-smi" in f.fix[0]
+
+
+# -- cross_rank -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend, severity", [("nccl", "fail"), ("gloo", "warn")])
+def test_shared_gpu(backend, severity):
+    idents = {0: ident(0, local_rank=0, cuda_devices=1),
+              1: ident(1, local_rank=1, device="cuda:0", device_uuid="GPU-a-0", cuda_devices=1)}
+    findings = cross_rank(idents, backend)
+    assert [f.id for f in findings] == ["comm.shared-gpu"]
+    f = findings[0]
+    assert f.severity == severity
+    assert f.title == "ranks 0, 1 share one GPU (cuda:0 NVIDIA H100 80GB HBM3 on host a)"
+    assert f.data == {"host": "a", "ranks": [0, 1]}
+    assert "torchrun --nproc_per_node 1" in f.fix[0]
+    assert "host a" in f.fix[0]
+    assert "host a has 1 visible GPU(s)" in f.evidence
+
+
+def test_shared_gpu_title_without_device_name():
+    idents = {r: ident(r, local_rank=r, device="cuda:0", device_uuid="GPU-x", device_name=None) for r in range(3)}
+    f = only(cross_rank(idents, "nccl"), "comm.shared-gpu")
+    assert f.title == "ranks 0, 1, 2 share one GPU (cuda:0 on host a)"
+
+
+def test_shared_gpu_without_uuid_uses_visible_devices_and_index():
+    same = {r: ident(r, device="cuda:0", device_uuid=None, env={"CUDA_VISIBLE_DEVICES": "0"}) for r in range(2)}
+    assert [f.data["ranks"] for f in cross_rank(same, "nccl")] == [[0, 1]]
+    apart = {r: ident(r, device="cuda:0", device_uuid=None, env={"CUDA_VISIBLE_DEVICES": str(r)}) for r in range(2)}
+    assert cross_rank(apart, "nccl") == []
+
+
+def test_same_uuid_on_different_hosts_is_not_shared():
+    idents = {0: ident(0, host="a", local_rank=0, device_uuid="GPU-same"),
+              1: ident(1, host="b", local_rank=0, device_uuid="GPU-same")}
+    assert cross_rank(idents, "nccl") == []
+
+
+def test_cpu_ranks_do_not_share_a_gpu():
+    idents = {r: ident(r, device="cpu", device_uuid=None, device_name=None, cuda_devices=0, nccl=None, driver=None)
+              for r in range(4)}
+    assert cross_rank(idents, "gloo") == []
+
+
+def test_distinct_gpus_and_same_versions_give_nothing():
+    idents = {r: ident(r, host="ab"[r // 4], local_rank=r % 4) for r in range(8)}
+    assert cross_rank(idents, "nccl") == []
+    idents[5] = None  # a rank that never joined is skipped
+    assert cross_rank(idents, "nccl") == []
+
+
+def test_torch_version_mismatch():
+    idents = {0: ident(0), 1: ident(1, torch="2.5.1+cu124"), 2: ident(2)}
+    f = only(cross_rank(idents, "nccl"), "comm.torch-version-mismatch")
+    assert f.severity == "fail"
+    assert f.title == "torch versions differ between ranks"
+    assert f.data == {"versions": {"2.4.0+cu124": [0, 2], "2.5.1+cu124": [1]}}
+    assert "torch 2.5.1+cu124: ranks 1" in f.evidence
+    assert "torch 2.4.0+cu124: ranks 0, 2" in f.evidence
+
+
+@pytest.mark.parametrize("field, severity, other", [
+    ("nccl", "fail", "2.18.1"), ("cuda", "warn", "12.1"), ("driver", "warn", "12.2"),
+])
+def test_other_version_mismatches(field, severity, other):
+    idents = {0: ident(0), 1: ident(1, **{field: other})}
+    findings = cross_rank(idents, "nccl")
+    assert [f.id for f in findings] == [f"comm.{field}-version-mismatch"]
+    assert findings[0].severity == severity
+    assert findings[0].data["versions"][other] == [1]
+
+
+def test_env_mismatch():
+    idents = {0: ident(0, env={"NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "INFO"}),
+              1: ident(1, env={"NCCL_DEBUG": "INFO"}),
+              2: ident(2, env={"NCCL_DEBUG": "INFO"})}
+    f = only(cross_rank(idents, "nccl"), "comm.env-mismatch")
+    assert f.severity == "warn"
+    assert f.title == "NCCL_IB_DISABLE differs between ranks"
+    assert f.data["variable"] == "NCCL_IB_DISABLE"
+    assert f.data["values"]["1"] == [0]
+    assert "NCCL_IB_DISABLE=1: ranks 0" in f.evidence
+    assert "unset: ranks 1, 2" in f.evidence
+
+
+def test_env_mismatch_one_finding_per_variable():
+    idents = {0: ident(0, env={"NCCL_SOCKET_IFNAME": "eth0", "NCCL_P2P_DISABLE": "1"}),
+              1: ident(1, env={"NCCL_SOCKET_IFNAME": "ib0", "NCCL_P2P_DISABLE": "1"})}
+    findings = cross_rank(idents, "nccl")
+    assert [(f.id, f.data["variable"]) for f in findings] == [("comm.env-mismatch", "NCCL_SOCKET_IFNAME")]
+    assert "NCCL_SOCKET_IFNAME=eth0: ranks 0" in findings[0].evidence
+    assert "NCCL_SOCKET_IFNAME=ib0: ranks 1" in findings[0].evidence
+
+
+def test_cuda_visible_devices_differing_is_not_flagged():
+    idents = {r: ident(r, local_rank=0, device="cuda:0", device_uuid=f"GPU-{r}", env={"CUDA_VISIBLE_DEVICES": str(r)})
+              for r in range(4)}
+    assert cross_rank(idents, "nccl") == []
+
+
+def test_no_device():
+    cpu = {"device": "cpu", "device_uuid": None, "device_name": None, "cuda_devices": 0, "nccl": None,
+           "driver": None}
+    idents = {0: ident(0), 1: ident(1, host="b", env={"CUDA_VISIBLE_DEVICES": ""}, **cpu),
+              2: ident(2, host="b", **cpu), 3: ident(3)}
+    f = only(cross_rank(idents, "gloo"), "comm.no-device")
+    assert f.severity == "fail"
+    assert f.title == "ranks 1, 2 see no CUDA device while ranks 0, 3 do"
+    assert f.data == {"ranks": [1, 2]}
+    assert f.evidence == ["rank 1 (host b, local rank 1): CUDA_VISIBLE_DEVICES=",
+                          "rank 2 (host b, local rank 2): CUDA_VISIBLE_DEVICES=(unset)"]
+
+
+def test_no_device_is_not_also_a_version_mismatch():
+    cpu = {"device": "cpu", "device_uuid": None, "device_name": None, "cuda_devices": 0, "nccl": None,
+           "driver": None}
+    idents = {0: ident(0), 1: ident(1, host="b", **cpu)}
+    assert [f.id for f in cross_rank(idents, "gloo")] == ["comm.no-device"]
