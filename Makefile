@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # torch is pinned for the test environment only; users may run any torch >= 2.4.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench bench-comm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ test: lint
 
 bench: $(VENV)/.test
 	$(BIN)/python benchmarks/numerics_overhead.py
+
+bench-comm: $(VENV)/.runtime
+	$(BIN)/python benchmarks/comm_bandwidth.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -258,3 +258,78 @@ def test_bad_launcher_variables_are_exit_2():
     assert proc.returncode == 2 and "MASTER_PORT not set" in proc.stderr
     proc = comm(env=_env(RANK="3", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"))
     assert proc.returncode == 2 and "rank 3 is outside world size 2" in proc.stderr
+
+
+def test_a_frozen_rank_is_found_by_the_watchdog_not_waited_on_forever():
+    """SIGSTOP: the peer's sockets stay open, so only the stage deadline can end the wait."""
+    timeout = 5
+    procs = rank_processes(2, "--json", "--timeout", str(timeout), "--bench", "--sizes", "8M", "--iters", "100000")
+    _wait_for_line(procs[0].stderr, "[bench] 5 ops x 1 sizes", time.monotonic() + 60)
+    time.sleep(1.0)
+    procs[1].send_signal(signal.SIGSTOP)
+    t_stop = time.monotonic()
+    try:
+        stdout, _ = procs[0].communicate(timeout=timeout + 30)
+        verdict_s = time.monotonic() - t_stop
+    finally:
+        procs[1].kill()
+        procs[1].wait()
+    assert timeout - 1 < verdict_s < timeout + 15
+    assert procs[0].returncode == 1
+    out = the_json(stdout)
+    by_rank = {r["rank"]: r for r in out["ranks"]}
+    assert by_rank[1]["status"] == "broken" and by_rank[1]["detail"] == "died during bench all_reduce 8M"
+    assert by_rank[0]["status"] == "ok" and by_rank[0]["stage"] == "bench"
+    assert [f["id"] for f in out["findings"] if f["severity"] == "fail"] == ["comm.rank-died"]
+
+
+def test_local_parent_reports_when_every_rank_was_killed():
+    p = subprocess.Popen([sys.executable, *COMM, "--local", "2", "--json", "--timeout", "20", "--bench", "--sizes",
+                          "8M", "--iters", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=_env())
+    _wait_for_line(p.stderr, "[bench] 5 ops x 1 sizes", time.monotonic() + 60)
+    time.sleep(1.0)
+    kids = children(p.pid)
+    assert len(kids) == 2
+    for pid in kids:
+        os.kill(pid, signal.SIGKILL)
+    stdout, _ = p.communicate(timeout=60)
+    assert p.returncode == 1
+    out = the_json(stdout)
+    assert [r["status"] for r in out["ranks"]] == ["broken", "broken"]
+    assert all(r["detail"] == "died during bench all_reduce 8M" for r in out["ranks"])
+    assert sorted(f["data"]["rank"] for f in out["findings"] if f["id"] == "comm.rank-died") == [0, 1]
+
+
+def _free_slurm_job_id() -> int:
+    """A job id whose derived port (20000 + id % 10000) is free right now."""
+    import socket
+
+    for job in range(4321, 14321):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 20000 + job % 10000))
+            except OSError:
+                continue
+            return job
+    pytest.skip("no free port in 20000-29999")
+
+
+def test_srun_without_torchrun_derives_ranks_and_master_from_slurm_variables():
+    job = _free_slurm_job_id()
+    procs = []
+    for r in range(2):
+        env = _env(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r), SLURM_JOB_ID=str(job),
+                   SLURM_JOB_NODELIST="localhost,otherhost")
+        for k in ("MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        procs.append(subprocess.Popen([sys.executable, *COMM, "--json", "--timeout", "30", "--nccl-debug", "INFO"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    outs = [p.communicate(timeout=90) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-1500:] for o in outs]
+    out = the_json(outs[0][0] + outs[1][0])
+    assert out["launch"] == "slurm" and out["world_size"] == 2
+    assert [(r["rank"], r["local_rank"], r["status"]) for r in out["ranks"]] == [(0, 0, "ok"), (1, 1, "ok")]
+    # --nccl-debug sets NCCL_DEBUG on every rank alike: recorded, and no mismatch
+    assert all(r["identity"]["env"].get("NCCL_DEBUG") == "INFO" for r in out["ranks"])
+    assert [f["id"] for f in out["findings"]] == ["comm.ok"]
