@@ -333,3 +333,16 @@ def test_srun_without_torchrun_derives_ranks_and_master_from_slurm_variables():
     # --nccl-debug sets NCCL_DEBUG on every rank alike: recorded, and no mismatch
     assert all(r["identity"]["env"].get("NCCL_DEBUG") == "INFO" for r in out["ranks"])
     assert [f["id"] for f in out["findings"]] == ["comm.ok"]
+
+
+def test_an_unreachable_store_is_named_with_its_address():
+    port = free_port()  # nobody listens there
+    t0 = time.monotonic()
+    proc = comm("--json", "--timeout", "3",
+                env=_env(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+    assert time.monotonic() - t0 < 3 + 15
+    assert proc.returncode == 1
+    out = the_json(proc.stdout)
+    assert [f["id"] for f in out["findings"]] == ["comm.store-unreachable"]
+    assert f"127.0.0.1:{port}" in out["findings"][0]["title"]
+    assert out["findings"][0]["evidence"] == ["no answer within 3 s"]

@@ -123,8 +123,10 @@ class RankSession:
 
     def _print_alone(self, kind: str, error: str) -> None:
         f = Finding(
-            "comm.store-unreachable", "fail", f"rank {self.launch.rank} cannot reach the rendezvous store",
-            evidence=[error],
+            "comm.store-unreachable", "fail",
+            f"rank {self.launch.rank} cannot reach the rendezvous store at {self.launch.master_addr}:"
+            f"{self.launch.master_port}",
+            evidence=[f"no answer within {self.opts.timeout:g} s" if kind == "timeout" else error],
             fix=[f"check MASTER_ADDR/MASTER_PORT ({self.launch.master_addr}:{self.launch.master_port}): from this "
                  "host `nc -zv <addr> <port>` must connect; rank 0 must be running (under srun it hosts the store)",
                  "a firewall between nodes, or an address that resolves to another interface, gives the same "
@@ -199,7 +201,7 @@ class RankSession:
             os.environ["NCCL_DEBUG"] = self.opts.nccl_debug
         if self.opts.nccl_debug_subsys:
             os.environ["NCCL_DEBUG_SUBSYS"] = self.opts.nccl_debug_subsys
-        self.touch()
+        self.enter("connect", f"{self.launch.master_addr}:{self.launch.master_port}")
         try:
             self.channel = SideChannel(self.launch, self.opts.timeout)
         except StoreUnreachable as e:

@@ -1,0 +1,57 @@
+"""``torchdoctor env --prebuild``: the guide's DeepSpeed prebuild commands, filled in for this machine."""
+
+from __future__ import annotations
+
+from .facts import Facts
+
+
+def arch_list_line(facts: Facts, recommended: str | None) -> tuple[str, list[str]]:
+    """(TORCH_CUDA_ARCH_LIST value, notes): from the visible GPUs, else the variable's value, else a placeholder."""
+    notes = []
+    if recommended:
+        notes.append(f"TORCH_CUDA_ARCH_LIST={recommended!r}: the compute capabilities of the visible GPUs "
+                     f"({', '.join(sorted({g.name for g in facts.gpus}))})")
+        return recommended, notes
+    if facts.env.get("TORCH_CUDA_ARCH_LIST"):
+        value = facts.env["TORCH_CUDA_ARCH_LIST"]
+        notes.append(f"no GPU is visible here: using your TORCH_CUDA_ARCH_LIST={value!r}")
+        return value, notes
+    notes.append("no GPU is visible here: replace <ARCH> with the target machine's compute capabilities, from "
+                 "`nvidia-smi --query-gpu=compute_cap --format=csv,noheader` there (e.g. 8.6, or 8.0;9.0 for mixed "
+                 "GPUs)")
+    return "<ARCH>", notes
+
+
+def commands(facts: Facts, recommended: str | None, nvme: bool = False, jobs: int | None = None) -> str:
+    arch, notes = arch_list_line(facts, recommended)
+    jobs = jobs or max(1, min(facts.cpu_count or 8, 16))
+    ops = "DS_BUILD_CPU_ADAM=1 DS_BUILD_UTILS=1" + (" DS_BUILD_AIO=1" if nvme else "")
+    lines = [f"# {n}" for n in notes]
+    if nvme:
+        state = f"found at {facts.libaio}" if facts.libaio else "NOT found: install it first"
+        lines += [f"# NVMe offload needs libaio-dev ({state}):",
+                  "sudo apt install libaio-dev   # yum install libaio-devel"]
+    if facts.cuda_home_env is None and facts.nvcc_on_path_root and facts.deepspeed_cuda_home != facts.nvcc_on_path_root:
+        lines.append(f"export CUDA_HOME={facts.nvcc_on_path_root}   # the toolkit nvcc really runs from")
+    lines += [
+        "",
+        "# 1. build and install here",
+        "git clone https://github.com/deepspeedai/DeepSpeed/",
+        "cd DeepSpeed",
+        "rm -rf build",
+        f'TORCH_CUDA_ARCH_LIST="{arch}" {ops} pip install . \\',
+        f'  --global-option="build_ext" --global-option="-j{jobs}" --no-cache -v \\',
+        "  --disable-pip-version-check 2>&1 | tee build.log",
+        "",
+        "# 2. or build a wheel once, for several machines with the same setup",
+        "git clone https://github.com/deepspeedai/DeepSpeed/",
+        "cd DeepSpeed",
+        "rm -rf build",
+        f'TORCH_CUDA_ARCH_LIST="{arch}" {ops} \\',
+        f"  python setup.py build_ext -j{jobs} bdist_wheel",
+        "pip install dist/deepspeed-*.whl   # on each machine",
+        "",
+        "# check what was built",
+        "ds_report",
+    ]
+    return "\n".join(lines)
