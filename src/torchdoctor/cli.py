@@ -23,6 +23,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "torchdoctor.comm.run",
         "prove every rank can talk (torchrun, srun or --local N); name the rank that cannot; --bench bandwidth",
     ),
+    "env": (
+        "torchdoctor.env.run",
+        "CUDA-build doctor: torch vs toolkits, PATH order, host gcc, GPU arch; --prebuild for DeepSpeed",
+    ),
+    "report": (
+        "torchdoctor.env.report_run",
+        "the bundle a DeepSpeed bug report needs: versions, findings, DS config, non-default TrainingArguments",
+    ),
 }
 
 

@@ -102,6 +102,7 @@ class Facts:
     # the CUDA_HOME builds use (torch.utils.cpp_extension, so DeepSpeed): $CUDA_HOME / $CUDA_PATH, else the
     # parent of `which nvcc`'s folder, else /usr/local/cuda
     deepspeed_cuda_home: str | None = None
+    build_toolkit_root: str | None = None  # the found toolkit that CUDA_HOME for builds resolves to, if any
     path_entries: list[PathEntry] = field(default_factory=list)  # PATH / LD_LIBRARY_PATH entries into toolkits
     compilers: list[Compiler] = field(default_factory=list)
     host_compiler: HostCompiler | None = None

@@ -378,6 +378,7 @@ def collect(env: Mapping[str, str] | None = None, patterns=SEARCH_PATTERNS, cond
     wrappers = {os.path.dirname(nvcc): facts.nvcc_on_path_root} if nvcc and facts.nvcc_on_path_root else {}
     facts.path_entries = path_entries(env, facts.toolkits, wrappers)
     build_root = _build_root(facts)
+    facts.build_toolkit_root = build_root if facts.toolkit(build_root) else None
     facts.host_compiler = host_compiler(env, build_root, errors)
     facts.libaio = probe_libaio()
     facts.ram_gib, facts.shm_gib = probe_memory()

@@ -1,0 +1,50 @@
+"""``torchdoctor report``: the bundle a DeepSpeed / transformers bug report needs, ready to paste.
+
+Versions exactly as the packages print them, the environment findings, the DeepSpeed config, and only
+the TrainingArguments that differ from transformers' defaults. Nothing is ever unpickled: pass
+``trainer.args.to_json_string()`` output (a JSON file) or the command-line arguments, not training_args.bin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EXIT_OK, EXIT_USAGE = 0, 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ds-config", metavar="FILE", default=None, help="the DeepSpeed config (JSON) of the run")
+    parser.add_argument("--training-args", metavar="FILE_OR_ARGS", default=None,
+                        help="TrainingArguments as JSON (trainer.args.to_json_string() saved to a file) or the "
+                             "command-line arguments in one string, e.g. \"--learning_rate 3e-5 --fp16\"")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of Markdown")
+    parser.add_argument("--output", "-o", metavar="FILE", default=None, help="write the report to FILE too")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .bundle import BundleError, load_ds_config, load_training_args, render_markdown, to_json, training_args_diff
+
+    try:
+        ds = load_ds_config(args.ds_config) if args.ds_config else None
+        ta = training_args_diff(load_training_args(args.training_args)) if args.training_args else None
+    except BundleError as e:
+        print(f"torchdoctor report: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    from . import probe, rules
+    from .bundle import uses_nvme
+
+    facts = probe.collect()
+    findings = rules.judge(facts, nvme_offload=bool(ds and uses_nvme(ds)))
+    text = (json.dumps(to_json(facts, findings, ds, ta), indent=1) if args.json
+            else render_markdown(facts, findings, ds, ta))
+    print(text)
+    if args.output:
+        try:
+            with open(args.output, "w") as f:
+                f.write(text + "\n")
+        except OSError as e:
+            print(f"torchdoctor report: cannot write {args.output}: {e}", file=sys.stderr)
+            return EXIT_USAGE
+    return EXIT_OK
