@@ -8,6 +8,7 @@ in ``probe_errors``), never a crash. The slow probes (package imports, ``nvcc`` 
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import platform
@@ -94,27 +95,55 @@ def probe_torch() -> TorchFacts:
     return t
 
 
-def probe_package(name: str, errors: _Errors) -> PackageFacts:
+_IMPORTER = """
+import json, sys, time
+for name in sys.argv[1:]:
+    t0 = time.monotonic()
+    try:
+        mod = __import__(name)
+        out = {"name": name, "ok": True, "version": str(getattr(mod, "__version__", ""))}
+    except BaseException as e:
+        out = {"name": name, "ok": False, "error": (type(e).__name__ + ": " + str(e)).splitlines()[0][:300]}
+    out["seconds"] = round(time.monotonic() - t0, 2)
+    print("TORCHDOCTOR-IMPORT " + json.dumps(out), flush=True)
+"""
+
+
+def probe_packages(names: tuple[str, ...], errors: _Errors) -> dict[str, PackageFacts]:
+    """Versions from the installed metadata, then one subprocess imports them in turn (they share torch's
+    import, which dominates) with their chatter captured; what has not finished by the timeout is noted."""
     from importlib import metadata
 
+    facts: dict[str, PackageFacts] = {}
+    for name in names:
+        try:
+            facts[name] = PackageFacts(name, metadata.version(name))
+        except metadata.PackageNotFoundError:
+            facts[name] = PackageFacts(name)
+    todo = [n for n in names if facts[n].version is not None]
+    if not todo:
+        return facts
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
+    cmd = [sys.executable, "-c", _IMPORTER, *todo]
     try:
-        version = metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return PackageFacts(name)
-    code = f"import {name}; print({name}.__version__)"
-    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", ""), "PYTHONWARNINGS": "ignore",
-           "TRANSFORMERS_VERBOSITY": "error"}
-    if not env["DS_ACCELERATOR"]:
-        env.pop("DS_ACCELERATOR")
-    res = run([sys.executable, "-c", code], errors, timeout=IMPORT_TIMEOUT_S, env=env)
-    if res is None:
-        return PackageFacts(name, version, None, f"import did not finish within {IMPORT_TIMEOUT_S:g} s")
-    rc, out, err = res
-    if rc != 0:
-        last = (err.strip().splitlines() or ["(no message)"])[-1]
-        return PackageFacts(name, version, False, last[:300])
-    lines = out.strip().splitlines()
-    return PackageFacts(name, lines[-1] if lines else version, True)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=IMPORT_TIMEOUT_S, env=env,
+                           stdin=subprocess.DEVNULL)
+        out = p.stdout
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    for line in out.splitlines():
+        if line.startswith("TORCHDOCTOR-IMPORT "):
+            r = json.loads(line.split(" ", 1)[1])
+            f = facts[r["name"]]
+            f.import_ok = r["ok"]
+            if r["ok"] and r["version"]:
+                f.version = r["version"]  # as `print(module.__version__)` shows it
+            f.import_error = r.get("error")
+    for name in todo:
+        if facts[name].import_ok is None:
+            facts[name].import_error = f"import did not finish within {IMPORT_TIMEOUT_S:g} s"
+            errors.note(f"importing {name} took longer than {IMPORT_TIMEOUT_S:g} s (not judged)")
+    return facts
 
 
 # -- GPUs and driver ------------------------------------------------------------------------------------
@@ -359,14 +388,14 @@ def collect(env: Mapping[str, str] | None = None, patterns=SEARCH_PATTERNS, cond
     facts = Facts(os=platform.platform(), python=platform.python_version())
     nvcc = shutil.which("nvcc", path=env.get("PATH"))
     with ThreadPoolExecutor(max_workers=8) as pool:
-        packages = {name: pool.submit(probe_package, name, errors) for name in PACKAGES}
+        packages = pool.submit(probe_packages, PACKAGES, errors)
         toolkits = pool.submit(probe_toolkits, env, nvcc, errors, patterns, conda_bases)
         compilers = pool.submit(probe_compilers, env, errors)
         ninja = pool.submit(probe_ninja, env, errors)
         nvcc_root = pool.submit(_root_of, nvcc, errors) if nvcc else None
         facts.torch = probe_torch()  # in this process, while the others run
         gpus = pool.submit(probe_gpus, facts.torch, errors)
-        facts.packages = {name: f.result() for name, f in packages.items()}
+        facts.packages = packages.result()
         facts.toolkits = toolkits.result()
         facts.compilers = compilers.result()
         facts.ninja = ninja.result()
