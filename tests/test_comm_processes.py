@@ -240,7 +240,9 @@ def test_bench_bandwidths_follow_the_nccl_tests_formulas():
         (["--local", "2", "--sizes", "1Q"], "'1Q' is not a size"),
         (["--local", "2", "--sizes", "64M:1K"], "ends below its start"),
         (["--local", "2", "--backend", "nccl"], "--backend nccl needs CUDA"),
-        (["--local", "2", "--timeout", "0"], "--timeout must be positive"),
+        (["--local", "2", "--timeout", "0"], "--timeout must be a number of seconds, at least 1"),
+        (["--local", "2", "--timeout", "nan"], "--timeout must be a number of seconds, at least 1"),
+        (["--local", "2", "--timeout", "inf"], "--timeout must be a number of seconds, at least 1"),
         (["--local", "0"], "at least 1 rank"),
         (["--backend", "mpi"], "invalid choice: 'mpi'"),
         ([], "no launcher found"),
@@ -278,7 +280,7 @@ def test_a_frozen_rank_is_found_by_the_watchdog_not_waited_on_forever():
     assert procs[0].returncode == 1
     out = the_json(stdout)
     by_rank = {r["rank"]: r for r in out["ranks"]}
-    assert by_rank[1]["status"] == "broken" and by_rank[1]["detail"] == "died during bench all_reduce 8M"
+    assert by_rank[1]["status"] == "broken" and by_rank[1]["detail"] == "is frozen (stopped) in bench all_reduce 8M"
     assert by_rank[0]["status"] == "ok" and by_rank[0]["stage"] == "bench"
     assert [f["id"] for f in out["findings"] if f["severity"] == "fail"] == ["comm.rank-died"]
 
@@ -302,13 +304,13 @@ def test_local_parent_reports_when_every_rank_was_killed():
 
 
 def _free_slurm_job_id() -> int:
-    """A job id whose derived port (20000 + id % 10000) is free right now."""
+    """A job id whose derived port (20000 + id % 1000 * 10, step 0) is free right now."""
     import socket
 
     for job in range(4321, 14321):
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", 20000 + job % 10000))
+                s.bind(("127.0.0.1", 20000 + job % 1000 * 10))
             except OSError:
                 continue
             return job

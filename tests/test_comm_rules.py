@@ -116,7 +116,7 @@ def test_dead_rank():
     f = findings[0]
     assert f.severity == "fail"
     assert f.title == "rank 3 (host b, local rank 1) died during bench all_reduce 16M"
-    assert f.data == {"rank": 3, "stage": "bench", "detail": "all_reduce 16M"}
+    assert f.data == {"rank": 3, "stage": "bench", "detail": "all_reduce 16M", "process": None}
     assert "last stage entered: bench all_reduce 16M" in f.evidence[0]
     assert any("host b" in fx and "dmesg" in fx for fx in f.fix)
     assert not any("rendezvous store" in e for e in f.evidence)
@@ -133,7 +133,7 @@ def test_dead_rank_before_any_stage():
     rows, findings = judge(snap, "gloo", TIMEOUT)
     f = only(findings, "comm.rank-died")
     assert f.title == "rank 1 (host a, local rank 1) died during join"
-    assert f.data == {"rank": 1, "stage": None, "detail": None}
+    assert f.data == {"rank": 1, "stage": None, "detail": None, "process": None}
     assert rows[1]["detail"] == "died during join"
 
 
@@ -334,9 +334,10 @@ def test_own_error_in_device_stage_is_blamed_on_that_rank():
     snap = {r: rec(ident(r), "all_reduce", broken("all_reduce"), alive=False) for r in (0, 2)}
     snap[1] = rec(ident(1), ("device", "cuda:1"), broken("device", kind="error", error=oom), alive=False)
     _, findings = judge(snap, "nccl", TIMEOUT)
-    f = only(findings, "comm.stage-error")
+    f = only(findings, "comm.out-of-memory")
     assert f.data == {"ranks": [1], "stage": "device"}
     assert "nvidia-smi" in f.fix[0]
+    assert f.title.startswith("rank 1 (host a, local rank 1) ran out of memory in device")
 
 
 # -- cross_rank -------------------------------------------------------------------------------------
@@ -455,3 +456,47 @@ def test_no_device_is_not_also_a_version_mismatch():
            "driver": None}
     idents = {0: ident(0), 1: ident(1, host="b", **cpu)}
     assert [f.id for f in cross_rank(idents, "gloo")] == ["comm.no-device"]
+
+
+# -- terminated, frozen and hung ranks ------------------------------------------------------------------
+
+def test_sigterm_everywhere_is_terminated_not_a_network_problem():
+    snap = {r: rec(ident(r), ("bench", "all_reduce 8M"), broken("bench", kind="terminated", detail="all_reduce 8M"),
+                   alive=True) for r in range(3)}
+    rows, findings = judge(snap, "nccl", TIMEOUT)
+    assert [f.id for f in findings] == ["comm.terminated"]
+    f = findings[0]
+    assert f.title == "the check was stopped from outside (SIGTERM) on ranks 0, 1, 2 during bench all_reduce 8M"
+    assert not any("NCCL" in fx for fx in f.fix) and "sacct" in f.fix[0]
+    assert all(r["status"] == "broken" for r in rows)
+
+
+def test_sigterm_after_a_death_is_the_launcher_reacting():
+    snap = {0: rec(ident(0), "bench", broken("bench", kind="terminated"), alive=True),
+            1: rec(ident(1), ("bench", "all_gather 1M"), None, alive=False)}
+    rows, findings = judge(snap, "gloo", TIMEOUT)
+    assert [f.id for f in findings] == ["comm.rank-died"]
+    assert rows[0]["status"] == "ok" and "rank 1 (host a, local rank 1) died" in rows[0]["detail"]
+
+
+def test_a_terminated_final_does_not_make_slower_ranks_stuck():
+    snap = {0: rec(ident(0), "done", broken("done", kind="terminated"), alive=True),
+            1: rec(ident(1), "barrier", None, alive=True)}
+    _, findings = judge(snap, "gloo", TIMEOUT)
+    assert "comm.rank-stuck" not in by_id(findings)
+
+
+@pytest.mark.parametrize("state, verb, fix", [
+    ("stopped", "is frozen (stopped) in", "kill -CONT 4242"),
+    ("running", "stopped responding in", "py-spy dump --native --pid 4242"),
+    ("gone", "died during", "dmesg -T"),
+    (None, "died during", "dmesg -T"),
+])
+def test_what_this_host_sees_of_a_silent_rank(state, verb, fix):
+    snap = {0: rec(ident(0), "ring", broken("ring"), alive=True),
+            1: {**rec(ident(1, pid=4242), ("ring", "send 1->0"), None, alive=False), "process": state}}
+    rows, findings = judge(snap, "gloo", TIMEOUT)
+    f = only(findings, "comm.rank-died")
+    assert f.title == f"rank 1 (host a, local rank 1) {verb} ring send 1->0"
+    assert any(fix in fx for fx in f.fix)
+    assert rows[1]["detail"] == f"{verb} ring send 1->0" and f.data["process"] == state

@@ -216,11 +216,16 @@ def test_from_env_torchdoctor_local_mode():
 
 def test_from_env_slurm():
     got = from_env(_slurm_env())
-    assert got == launch.Launch(5, 8, 1, "gpu01", 21234, "slurm", False, "1234")
+    assert got == launch.Launch(5, 8, 1, "gpu01", 22340, "slurm", False, "1234")
 
 
 def test_from_env_slurm_port_derivation_and_fallbacks():
-    assert from_env(_slurm_env(SLURM_JOB_ID="987654321")).master_port == 20000 + 987654321 % 10000
+    # 20000 + job % 1000 * 10 + step % 10: distinct for 1000 consecutive jobs and 10 concurrent steps
+    assert from_env(_slurm_env(SLURM_JOB_ID="987654321")).master_port == 20000 + 321 * 10
+    assert from_env(_slurm_env(SLURM_STEP_ID="3")).master_port == 22343
+    ports = {from_env(_slurm_env(SLURM_JOB_ID=str(j), SLURM_STEP_ID=str(s))).master_port
+             for j in range(55000, 56000) for s in range(10)}
+    assert len(ports) == 10000 and min(ports) >= 20000 and max(ports) < 30000
     assert from_env(_slurm_env(SLURM_JOB_ID=None)).master_port == 20000
     assert from_env(_slurm_env(SLURM_JOB_ID="abc")).master_port == 29500
     got = from_env(_slurm_env(SLURM_JOB_NODELIST=None, SLURM_NODELIST="n[3-4]", SLURM_LOCALID=None))
@@ -231,7 +236,7 @@ def test_from_env_slurm_master_overrides():
     got = from_env(_slurm_env(MASTER_ADDR="head", MASTER_PORT="31000"))
     assert (got.master_addr, got.master_port, got.mode) == ("head", 31000, "slurm")
     got = from_env(_slurm_env(SLURM_JOB_NODELIST=None, MASTER_ADDR="head"))
-    assert (got.master_addr, got.master_port) == ("head", 21234)
+    assert (got.master_addr, got.master_port) == ("head", 22340)
 
 
 def test_from_env_rank_takes_precedence_over_slurm():

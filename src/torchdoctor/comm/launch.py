@@ -75,16 +75,21 @@ def from_env(env: Mapping[str, str]) -> Launch | None:
         mode = env.get("TORCHDOCTOR_LAUNCH_MODE") or ("torchrun" if "TORCHELASTIC_RUN_ID" in env else "env")
         launch = Launch(rank, world, local, env["MASTER_ADDR"], _int(env, "MASTER_PORT"), mode, agent, run_id)
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        # the step's nodes: a step on part of the allocation does not include the job's first node
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         if not nodes and not env.get("MASTER_ADDR"):
             raise LaunchError("under srun but neither SLURM_JOB_NODELIST nor MASTER_ADDR is set")
         addr = env.get("MASTER_ADDR") or expand_hostlist(nodes)[0]
         job = env.get("SLURM_JOB_ID", "0")
-        # A port every task derives alike without talking: fixed per job, away from the ephemeral range.
+        step = env.get("SLURM_STEP_ID", "0")
+        # A port every task derives alike without talking, below the ephemeral range: distinct for 1000
+        # consecutive job ids and 10 concurrent steps of one job (MASTER_PORT overrides it).
         if "MASTER_PORT" in env:
             port = _int(env, "MASTER_PORT")
+        elif job.isdigit():
+            port = 20000 + int(job) % 1000 * 10 + (int(step) % 10 if step.isdigit() else 0)
         else:
-            port = 20000 + int(job) % 10000 if job.isdigit() else 29500
+            port = 29500
         local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
         launch = Launch(_int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), local, addr, port, "slurm", False, job)
     else:

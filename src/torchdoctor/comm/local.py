@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import subprocess
 import sys
+import time
 
 from .launch import Launch, free_port
-from .session import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, Options
+from .session import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, HARD_EXIT_S, Options, RankSession
+from .sidechannel import SideChannel
+
+GRACE_S = 8.0 + HARD_EXIT_S  # a rank's report (settle) and its hard exit, beyond the stage deadline
 
 
 def child_argv(opts: Options) -> list[str]:
@@ -40,36 +45,71 @@ def run_local(n: int, opts: Options) -> int:
     store = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=opts.timeout),
                      wait_for_workers=False)
     base = dict(os.environ)
-    for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE"):
+    for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+              "TORCHELASTIC_RESTART_COUNT"):
         base.pop(k, None)
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
                 TORCHDOCTOR_AGENT_STORE="1", TORCHDOCTOR_LAUNCH_MODE="local")
     base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks must not each take every core
     cmd = [sys.executable, "-m", "torchdoctor", "comm", *child_argv(opts)]
     procs = [subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(n)]
-    try:
-        codes = [p.wait() for p in procs]
-    except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait()
-        raise
+    codes, stopped_by = _wait(procs, opts.timeout)
     if not PrefixStore(key_prefix("0.0"), store).check(["reporter"]):
         _report_for_dead_ranks(n, port, opts)
+    if stopped_by is not None:
+        return 128 + stopped_by
     if all(c == EXIT_OK for c in codes):
         return EXIT_OK
     return EXIT_USAGE if all(c == EXIT_USAGE for c in codes) else EXIT_PROBLEMS
 
 
+def _wait(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int], int | None]:
+    """Wait for the ranks; never forever. Once one has ended, the others get their own deadline plus the time
+    to report; then SIGTERM (they report that), then SIGKILL. SIGTERM / Ctrl-C to this process reach them."""
+    stop = {"signal": None}
+
+    def forward(signum, _frame):
+        stop["signal"] = signum
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        first_end = None
+        while any(p.poll() is None for p in procs):
+            time.sleep(0.1)
+            now = time.monotonic()
+            if first_end is None and any(p.poll() is not None for p in procs):
+                first_end = now
+            if first_end is not None and now - first_end > timeout + GRACE_S:
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+                _reap(procs, 15)
+                break
+        if stop["signal"] is not None:
+            _reap(procs, 15)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return [p.returncode if p.returncode is not None else EXIT_PROBLEMS for p in procs], stop["signal"]
+
+
+def _reap(procs: list[subprocess.Popen], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def _report_for_dead_ranks(n: int, port: int, opts: Options) -> None:
     """Every rank ended without printing a verdict (killed): say so from what they left in the store."""
-    from .session import RankSession
-
     launch = Launch(0, n, 0, "127.0.0.1", port, "local", agent_store=True, run_id="0.0")
     session = RankSession(launch, opts)
-    from .sidechannel import SideChannel
-
     session.channel = SideChannel(launch, opts.timeout)
     rows, findings, _, snap = session.verdict(settle=1.0)
     for row in rows:

@@ -17,6 +17,16 @@ STAGES = ("connect", "join", "init", "device", "all_reduce", "all_gather", "broa
           "bench", "done")
 
 
+# how a rank whose heartbeat stopped is described, by what this host can see of its process
+DEAD_VERBS = {"gone": "died during", "stopped": "is frozen (stopped) in", "running": "stopped responding in"}
+_OOM = ("out of memory", "can't allocate memory", "cannot allocate memory", "outofmemoryerror")
+
+
+def is_out_of_memory(error: str) -> bool:
+    low = error.lower()
+    return any(m in low for m in _OOM)
+
+
 def stage_index(name: str | None) -> int:
     return STAGES.index(name) if name in STAGES else -1
 
@@ -60,7 +70,8 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
         dead = [r for r in range(n) if ident[r] and r not in finals and not snap[r].get("alive")]
     running = [r for r in range(n) if r not in finals and r not in missing and r not in dead]
     broken = {r: f for r, f in finals.items() if f["status"] != "ok"}
-    failed_at = max((stage_index(f["stage"]) for f in broken.values()), default=-1)
+    # a SIGTERM says nothing about how far the others got: it does not make the ranks behind it "stuck"
+    failed_at = max((stage_index(f["stage"]) for f in broken.values() if f.get("kind") != "terminated"), default=-1)
     stuck = [] if store_lost else [
         r for r in running if stage_index((snap[r].get("stage") or {}).get("name")) < failed_at]
     wrong = [r for r, f in broken.items() if f.get("kind") == "wrong"]
@@ -96,18 +107,36 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
     for r in dead:
         stage = snap[r].get("stage")
         is_store = store_lost and r == store_host_rank
-        title = f"{describe(ident[r], r)} died during {_where(stage)}"
+        state = snap[r].get("process")  # "gone" | "stopped" | "running" | None (not on this host)
+        verb = DEAD_VERBS.get(state, "died during")
+        title = f"{describe(ident[r], r)} {verb} {_where(stage)}"
         if is_store:
             title = f"{describe(ident[r], r)}, which hosts the rendezvous store, died or became unreachable"
-        blame.append(f"{describe(ident[r], r)} died")
+        blame.append(f"{describe(ident[r], r)} {verb.split()[0]}")
+        host = (ident[r] or {}).get("host", "?")
+        evidence = [f"its heartbeat stopped and it left no status; last stage entered: {_where(stage)}"]
+        if state is None and not is_store:
+            evidence.append(f"its process on host {host} could not be checked from here: it died or froze")
+        elif state == "stopped":
+            evidence.append(f"its process {(ident[r] or {}).get('pid')} exists but is stopped (SIGSTOP, a debugger, "
+                            "or a job suspended by the scheduler)")
+        elif state == "running":
+            evidence.append(f"its process {(ident[r] or {}).get('pid')} exists but no thread of it answers: hung "
+                            "in native code (a driver call holding the GIL?)")
+        fixes = {
+            "stopped": [f"resume it (`kill -CONT {(ident[r] or {}).get('pid')}`) or find who stopped it (a debugger,"
+                        " `scontrol suspend`)"],
+            "running": [f"dump its stacks: `py-spy dump --native --pid {(ident[r] or {}).get('pid')}` on host {host}",
+                        "rerun with --nccl-debug INFO to see the last NCCL call"],
+        }.get(state, [f"read rank {r}'s own output for its last error",
+                      f"no traceback usually means a kill from outside; the OOM killer leaves a trace: on host "
+                      f"{host}: dmesg -T | grep -i -E 'killed process|out of memory'"])
         findings.append(Finding(
             "comm.rank-died", "fail", title,
-            evidence=[f"its heartbeat stopped and it left no status; last stage entered: {_where(stage)}"]
-            + ([f"the store stopped answering: {store_lost}"] if is_store else []),
-            fix=[f"read rank {r}'s own output for its last error",
-                 f"no traceback usually means a kill from outside; the OOM killer leaves a trace: on host "
-                 f"{(ident[r] or {}).get('host', '?')}: dmesg -T | grep -i -E 'killed process|out of memory'"],
-            data={"rank": r, "stage": (stage or {}).get("name"), "detail": (stage or {}).get("detail")},
+            evidence=evidence + ([f"the store stopped answering: {store_lost}"] if is_store else []),
+            fix=fixes,
+            data={"rank": r, "stage": (stage or {}).get("name"), "detail": (stage or {}).get("detail"),
+                  "process": state},
         ))
     for r in stuck:
         stage = snap[r].get("stage")
@@ -147,6 +176,19 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
         for r in own:
             f = broken[r]
             blame.append(f"{describe(ident[r], r)} failed in {f['stage']}")
+            if is_out_of_memory(f["error"]):
+                findings.append(Finding(
+                    "comm.out-of-memory", "fail",
+                    f"{describe(ident[r], r)} ran out of memory in "
+                    f"{_where({'name': f['stage'], 'detail': f['detail']})}",
+                    evidence=[f["error"].splitlines()[0][:300]],
+                    fix=["use smaller benchmark sizes (--sizes 1K:64M), or fewer ranks per device: the sharded ops "
+                         "hold the full tensor and its shard on every rank"] if f["stage"] == "bench" else
+                    ["the device is full before the check starts: `nvidia-smi` shows which processes hold its "
+                     "memory (a leftover training run?)"],
+                    data={"ranks": [r], "stage": f["stage"]},
+                ))
+                continue
             findings.append(Finding(
                 "comm.stage-error", "fail",
                 f"{describe(ident[r], r)} failed in {f['stage']}: {f['error'].splitlines()[0][:200]}",
@@ -164,11 +206,26 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
                  "the launcher's own output"],
         ))
         culprits = culprits or sorted(broken)
-    if not culprits and broken:
-        stages = sorted({f["stage"] for f in broken.values()}, key=stage_index)
+    terminated = sorted(r for r, f in broken.items() if f.get("kind") == "terminated")
+    if not culprits and terminated:
+        where = " / ".join(sorted({_where({"name": broken[r]["stage"], "detail": broken[r]["detail"]})
+                                   for r in terminated}))
+        findings.append(Finding(
+            "comm.terminated", "fail",
+            f"the check was stopped from outside (SIGTERM) on ranks {_ranks(terminated)} during {where}",
+            evidence=["no rank died, hung or failed on its own before that: the stages after it were not checked"],
+            fix=["a scheduler limit or `scancel` (check `sacct -j $SLURM_JOB_ID`), or a launcher that stopped the "
+                 "job: its own output names the first process that failed",
+                 "rerun with a larger time limit, or without --bench for a quick check"],
+            data={"ranks": terminated},
+        ))
+        culprits = terminated
+    timed_out = {r: f for r, f in broken.items() if f.get("kind") == "timeout"}
+    if not culprits and timed_out:
+        stages = sorted({f["stage"] for f in timed_out.values()}, key=stage_index)
         where = " / ".join(stages)
         ring = [r for r in range(n) if snap[r].get("ring") is not None]
-        evidence = [f"ranks {', '.join(map(str, sorted(broken)))} timed out or failed in {where}; all are "
+        evidence = [f"ranks {', '.join(map(str, sorted(timed_out)))} timed out or failed in {where}; all are "
                     "alive and none failed on its own"]
         links = []
         if "ring" in stages and ring:
@@ -184,7 +241,7 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
             + (f" (links {', '.join(links)})" if links else ""),
             evidence=evidence, fix=network_fixes(backend), data={"stages": stages, "links": links},
         ))
-        culprits = sorted(broken)
+        culprits = sorted(timed_out)
 
     rows = []
     for r in range(n):
@@ -195,9 +252,10 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
         if r in missing:
             row.update(status="missing", stage="join", detail="never joined")
         elif r in dead:
-            row.update(status="broken", stage=(stage or {}).get("name"), detail=f"died during {_where(stage)}")
+            verb = DEAD_VERBS.get(snap[r].get("process"), "died during")
+            row.update(status="broken", stage=(stage or {}).get("name"), detail=f"{verb} {_where(stage)}")
         elif store_lost and not f:
-            row.update(status="ok", stage=(stage or {}).get("name"),
+            row.update(status="missing", stage=(stage or {}).get("name"),
                        detail="state unknown: the side channel was lost")
         elif r in stuck:
             row.update(status="broken", stage=(stage or {}).get("name"), detail=f"stuck in {_where(stage)}")

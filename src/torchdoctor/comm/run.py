@@ -9,6 +9,7 @@ or hangs is named in the verdict and every process exits instead of hanging.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -59,8 +60,8 @@ def _usage(message: str) -> int:
 def _options(args: argparse.Namespace) -> Options | str:
     from .sizes import SizeError, parse_sizes
 
-    if args.timeout <= 0:
-        return "--timeout must be positive"
+    if not math.isfinite(args.timeout) or args.timeout < 1:
+        return "--timeout must be a number of seconds, at least 1"
     if args.iters < 1 or args.warmup < 0:
         return "--iters must be at least 1 and --warmup at least 0"
     try:
@@ -96,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     if args.local is None and launch is None:
         return _usage("no launcher found (RANK/WORLD_SIZE or SLURM_PROCID unset): run under torchrun or srun, "
                       "or start ranks here with --local N")
+    # c10d's C++ warnings come with stack traces on every store retry; our verdict says what they mean
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     import torch
 
     world = args.local if args.local is not None else launch.world_size

@@ -9,9 +9,11 @@ and leaves with ``os._exit`` -- a process group with a dead peer cannot be torn 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -24,6 +26,7 @@ from .launch import Launch
 from .sidechannel import SideChannel, StoreUnreachable
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+HARD_EXIT_S = 20.0  # beyond the stage deadline (or the report's settle time): leave, whatever is stuck
 
 
 @dataclass
@@ -38,6 +41,18 @@ class Options:
     dtype: str = "float32"
     nccl_debug: str | None = None
     nccl_debug_subsys: str | None = None
+
+
+def process_state(pid: int | None) -> str | None:
+    """"gone", "stopped" or "running" for a process of this host (None when unknown)."""
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+    return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(state, "running")
 
 
 def summary_text(world: int, backend: str, rows: list[dict], findings: list[Finding], bench_text: str = "") -> str:
@@ -65,14 +80,23 @@ class RankSession:
         self.backend = opts.backend
         self.stage, self.detail = "connect", ""
         self.deadline: float | None = None
-        self._failing = threading.Lock()
+        self._ending = threading.Lock()  # one ending per process: the success report or fail(), never both
+        self._posted_ok = False
+        self._printed = False
         self.bench_results: list = []
         self.usage_error = False
+        self._armed_at = 0.0
 
     # -- stage bookkeeping -------------------------------------------------------------------------
     def touch(self) -> None:
         """Progress was made: the current stage gets a fresh deadline."""
-        self.deadline = time.monotonic() + self.opts.timeout
+        now = time.monotonic()
+        self.deadline = now + self.opts.timeout
+        if now - self._armed_at > 1.0:  # throttled: the benchmark touches every iteration
+            self._armed_at = now
+            # Last resort, in C (no GIL needed): if a driver call holds the GIL and the watchdog thread cannot
+            # run, dump the stacks and exit instead of hanging forever.
+            faulthandler.dump_traceback_later(self.opts.timeout + HARD_EXIT_S, exit=True)
 
     def enter(self, name: str, detail: str = "") -> None:
         self.stage, self.detail = name, detail
@@ -106,26 +130,72 @@ class RankSession:
     # -- the end -----------------------------------------------------------------------------------
     def fail(self, kind: str, error: str) -> None:
         """Record the failure, report, and leave the process. Never returns."""
-        if not self._failing.acquire(blocking=False):
-            threading.Event().wait()  # another thread is already reporting; it will exit the process
-        self.deadline = None
-        if self.channel is None:  # could not even reach the store
-            self._print_alone(kind, error)
+        if not self._ending.acquire(blocking=False):
+            time.sleep(HARD_EXIT_S)  # the other ending exits the process long before this
             self._exit(EXIT_PROBLEMS)
-        self.channel.post_final("broken", self.stage, self.detail, kind, error)
-        code = self.report(settle=min(self.opts.timeout, 8.0))
-        self._exit(code)
+        self.deadline = None
+        code = EXIT_PROBLEMS
+        try:
+            self._arm_hard_exit()
+            if self.channel is None:  # could not even reach the store
+                self._print_alone(kind, error)
+                return
+            if not self._posted_ok:  # a SIGTERM after this rank passed does not turn it into a failure
+                self.channel.post_final("broken", self.stage, self.detail, kind, error)
+            code = self.report(settle=min(self.opts.timeout, 8.0))
+        except BaseException:  # reporting itself broke (a closed stdout, a lost store): still leave
+            pass
+        finally:
+            self._exit(EXIT_USAGE if self.usage_error else max(code, EXIT_PROBLEMS))
+
+    def _arm_hard_exit(self) -> None:
+        """Reporting reads the store, which can block forever if its host froze: bound it (a Python timer that
+        says why, and behind it faulthandler's C thread in case the GIL is stuck)."""
+        settle = min(self.opts.timeout, 8.0)
+        faulthandler.dump_traceback_later(settle + HARD_EXIT_S + 5, exit=True)
+
+        def give_up():
+            if not self._printed:
+                print(f"[rank {self.launch.rank}] torchdoctor comm: no verdict: the rendezvous store at "
+                      f"{self.launch.master_addr}:{self.launch.master_port} stopped answering while this rank "
+                      f"was reporting a failure in {self.stage} (its host froze or is unreachable)", flush=True)
+            self._exit(EXIT_PROBLEMS)
+
+        t = threading.Timer(settle + HARD_EXIT_S, give_up)
+        t.daemon = True
+        t.start()
+
+    def _arm_hard_exit_after(self, settle: float) -> None:
+        faulthandler.dump_traceback_later(settle + HARD_EXIT_S, exit=True)
 
     def _exit(self, code: int) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
 
     def _print_alone(self, kind: str, error: str) -> None:
-        f = Finding(
+        where = f"{self.launch.master_addr}:{self.launch.master_port}"
+        if "address already in use" in error.lower() or "eaddrinuse" in error.lower():
+            f = Finding("comm.port-in-use", "fail", f"rank {self.launch.rank} cannot host the rendezvous store: port "
+                        f"{self.launch.master_port} is already in use", evidence=[error],
+                        fix=[f"pick a free MASTER_PORT (`ss -ltnp | grep {self.launch.master_port}` shows who holds "
+                             "it), the same on every node"], data={"rank": self.launch.rank})
+        else:
+            f = self._unreachable(kind, error, where)
+        self._printed = True
+        if self.opts.json:
+            print(json.dumps({"world_size": self.launch.world_size, "backend": self.backend,
+                              "timeout_s": self.opts.timeout, "launch": self.launch.mode, "ranks": [],
+                              "findings": [f.to_json()]}))
+        else:
+            print("\n".join(f"[rank {self.launch.rank}] {line}" for line in render_text([f]).splitlines()))
+
+    def _unreachable(self, kind: str, error: str, where: str) -> Finding:
+        return Finding(
             "comm.store-unreachable", "fail",
-            f"rank {self.launch.rank} cannot reach the rendezvous store at {self.launch.master_addr}:"
-            f"{self.launch.master_port}",
+            f"rank {self.launch.rank} cannot reach the rendezvous store at {where}",
             evidence=[f"no answer within {self.opts.timeout:g} s" if kind == "timeout" else error],
             fix=[f"check MASTER_ADDR/MASTER_PORT ({self.launch.master_addr}:{self.launch.master_port}): from this "
                  "host `nc -zv <addr> <port>` must connect; rank 0 must be running (under srun it hosts the store)",
@@ -133,18 +203,18 @@ class RankSession:
                  "symptom: use the IP of the interface the nodes share"],
             data={"rank": self.launch.rank, "kind": kind},
         )
-        if self.opts.json:
-            print(json.dumps({"world_size": self.launch.world_size, "backend": self.backend, "ranks": [],
-                              "findings": [f.to_json()]}))
-        else:
-            print(f"[rank {self.launch.rank}] " + render_text([f]))
 
     def verdict(self, settle: float) -> tuple[list[dict], list[Finding], int, dict]:
         """Rows, findings and exit code from the side channel, after letting it settle."""
         ch = self.channel
         snap = ch.snapshot(settle=settle)
+        here = socket.gethostname()
+        for rec in snap.values():  # a silent rank on this host: is its process gone, stopped, or hung?
+            ident = rec["identity"]
+            if ident and not rec["final"] and not rec["alive"] and ident.get("host") == here:
+                rec["process"] = process_state(ident.get("pid"))
         if self.backend == "auto":
-            self.backend = ch.get("backend") or "auto"
+            self.backend = ch.get("backend") or "not chosen"
         rows, findings = rules.judge(snap, self.backend, self.opts.timeout, ch.lost,
                                      None if self.launch.agent_store else 0)
         # What the identities show (a shared GPU, differing versions) is often the cause of a failed stage
@@ -165,14 +235,17 @@ class RankSession:
         for row in rows:  # --json carries each rank's full identity (versions, device UUID, NCCL_* env)
             row["identity"] = snap[row["rank"]]["identity"]
         finals = [r for r, s in snap.items() if s["final"]]
-        if finals and min(finals) == self.launch.rank and self.channel.claim_report():
+        if self.channel.lost:  # no coordination possible: better one table per survivor than none
+            self._print(rows, findings, prefix=f"[rank {self.launch.rank}] ")
+        elif finals and min(finals) == self.launch.rank and self.channel.claim_report():
             self._print(rows, findings)
-        self._leave([r for r, s in snap.items() if s["final"]])
+        self._leave(finals)
         return code
 
-    def _print(self, rows, findings) -> None:
+    def _print(self, rows, findings, prefix: str = "") -> None:
         from .bench import render_bench
 
+        self._printed = True
         if self.opts.json:
             out = {"world_size": self.launch.world_size, "backend": self.backend, "timeout_s": self.opts.timeout,
                    "launch": self.launch.mode, "ranks": rows, "findings": [f.to_json() for f in findings]}
@@ -181,7 +254,8 @@ class RankSession:
             print(json.dumps(out))
         else:
             bench = render_bench(self.bench_results, self.launch.world_size) if self.bench_results else ""
-            print(summary_text(self.launch.world_size, self.backend, rows, findings, bench))
+            text = summary_text(self.launch.world_size, self.backend, rows, findings, bench)
+            print("\n".join(prefix + line for line in text.splitlines()) if prefix else text)
         sys.stdout.flush()
 
     def _leave(self, finished: list[int]) -> None:
@@ -221,7 +295,7 @@ class RankSession:
         idents = {r: ch.get(f"id/{r}") for r in range(n)}
         self.backend = self._resolve_backend(idents)
         if rank == 0:
-            ch.store.set("backend", json.dumps(self.backend))
+            ch.put("backend", self.backend)
         use_gpu = me["device"] != "cpu"
         device = torch.device(me["device"]) if use_gpu else torch.device("cpu")
         comm_device = device if self.backend == "nccl" else torch.device("cpu")
@@ -252,7 +326,12 @@ class RankSession:
             self._bench(torch, dist, comm_device)
         with self.run_stage("done"):
             ch.post_final("ok", "done")
+            self._posted_ok = True
             dist.destroy_process_group()
+        if not self._ending.acquire(blocking=False):  # a SIGTERM arrived meanwhile: fail() reports
+            time.sleep(HARD_EXIT_S)
+        self.deadline = None
+        self._arm_hard_exit_after(self.opts.timeout)
         return self.report(settle=self.opts.timeout)
 
     def _bench(self, torch, dist, device) -> None:

@@ -8,6 +8,7 @@ that outlives the ranks, so it survives any rank's death; under plain ``srun`` i
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import threading
@@ -57,9 +58,11 @@ class SideChannel:
         self._beat_thread: threading.Thread | None = None
         self.lost: str | None = None  # set when the store stops answering
         self._seen: dict[str, Any] = {}  # last values read: what a lost store leaves us
+        self._claimed: bool | None = None
 
     # -- writing ------------------------------------------------------------------------------------
     def _set(self, key: str, value: Any) -> None:
+        self._seen[key] = value  # what this rank wrote survives a lost store (its own row stays right)
         try:
             self.store.set(key, json.dumps(value))
         except Exception as e:
@@ -78,6 +81,10 @@ class SideChannel:
     def post(self, key: str, value: Any) -> None:
         self._set(f"{key}/{self.launch.rank}", value)
 
+    def put(self, key: str, value: Any) -> None:
+        """A run-wide value (not per rank), e.g. the backend rank 0 chose."""
+        self._set(key, value)
+
     def start_heartbeat(self) -> None:
         """Bump ``hb/<rank>`` every HEARTBEAT_S from a thread with its own connection."""
         from torch.distributed import PrefixStore
@@ -87,10 +94,8 @@ class SideChannel:
 
         def beat():
             while not self._beat_stop.is_set():
-                try:
+                with contextlib.suppress(Exception):  # a hiccup must not make this rank look dead
                     store.add(key, 1)
-                except Exception:
-                    return
                 self._beat_stop.wait(HEARTBEAT_S)
 
         self._beat_thread = threading.Thread(target=beat, name="torchdoctor-heartbeat", daemon=True)
@@ -100,12 +105,15 @@ class SideChannel:
         self._beat_stop.set()
 
     def claim_report(self) -> bool:
-        """True for exactly one caller per run: the rank that prints the summary."""
-        try:
-            won = self.store.compare_set("reporter", "", str(self.launch.rank))
-        except Exception:
-            return True  # no store, no coordination: better two tables than none
-        return won.decode() == str(self.launch.rank)
+        """True for exactly one call per run: the rank that prints the summary (asks the store once)."""
+        if self._claimed is None:
+            try:
+                won = self.store.compare_set("reporter", "", str(self.launch.rank))
+                self._claimed = won.decode() == str(self.launch.rank)
+            except Exception:
+                self._claimed = True  # no store, no coordination: better two tables than none
+            return self._claimed
+        return False  # this rank already printed (or lost): never a second table
 
     # -- reading ------------------------------------------------------------------------------------
     def get(self, key: str) -> Any:
