@@ -31,6 +31,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "torchdoctor.env.report_run",
         "the bundle a DeepSpeed bug report needs: versions, findings, DS config, non-default TrainingArguments",
     ),
+    "ds": (
+        "torchdoctor.deepspeed.ds_run",
+        "DeepSpeed: `ds check CONFIG.json` lints a config, `ds memory` estimates ZeRO memory per node and GPU",
+    ),
+    "logs": (
+        "torchdoctor.logs.logs_run",
+        "read training logs (DeepSpeed, HF Trainer, torchrun, NCCL): loss-scale collapse, NaN loss, kills, OOM",
+    ),
+    "run": (
+        "torchdoctor.logs.wrap_run",
+        "run a training command, pass its output through, and explain how it ended (SIGKILL: peak RAM, OOM)",
+    ),
 }
 
 

@@ -1,0 +1,1 @@
+"""DeepSpeed doctor: ``torchdoctor ds check`` (config lint) and ``torchdoctor ds memory`` (ZeRO memory estimates)."""

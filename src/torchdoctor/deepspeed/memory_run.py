@@ -1,0 +1,353 @@
+"""``torchdoctor ds memory``: will this model's ZeRO model states fit the GPUs and the host RAM, and which setup?
+
+Every ZeRO-0..3 setup (CPU/NVMe offload, with and without zero.Init, fp16/bf16/fp32) as a row of host GiB per
+node and GiB per GPU (the formulas, and how they match DeepSpeed's estimators, are in :mod:`.memory`), the
+configured row (``--config ds.json``) or the likely one marked, and findings: ``memory.host-oom-at-start`` (the
+processes the kernel kills at start-up), ``memory.gpu-oom``, ``memory.fits``. Model states only: activations are
+not included.
+
+The model comes from ``--params 7B [--largest-layer 131M]`` or ``--model`` (a Hugging Face config.json, or a
+folder holding one), built on the meta device: exact counts, no weights, no network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from typing import Any
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_COUNT = re.compile(r"^([0-9][0-9_]*(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+))?\s*([kKmMbBgGtT]?)$")
+
+
+class UsageError(ValueError):
+    """Bad input: printed as one line, exit 2."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model (one of)")
+    model.add_argument("--params", metavar="N", help="total parameters: 7e9, 7B, 1.3b, 350M")
+    model.add_argument("--model", metavar="PATH",
+                       help="a Hugging Face config.json or a folder with one: built on the meta device (no weights) "
+                            "for the exact parameter count and largest layer")
+    parser.add_argument("--largest-layer", metavar="N",
+                        help="the largest layer's own parameters (ZeRO-3 gathers it whole on one GPU), e.g. 131M "
+                             "(vocab x hidden for most language models); counted for you with --model")
+    parser.add_argument("--gpus-per-node", metavar="N", help="ranks per node (default: the GPUs visible here, or 1)")
+    parser.add_argument("--nodes", metavar="N", default="1", help="number of nodes (default 1)")
+    parser.add_argument("--cpu-mem", metavar="GiB",
+                        help="host RAM per node (default: this machine's, from /proc/meminfo and its cgroup limit)")
+    parser.add_argument("--gpu-mem", metavar="GiB", help="memory per GPU (default: the first visible GPU's)")
+    parser.add_argument("--config", metavar="ds.json",
+                        help="a DeepSpeed config: marks and judges the row it selects (stage, offload devices, "
+                             "fp16/bf16, NVMe buffer sizes)")
+    parser.add_argument("--precision", choices=("fp16", "bf16", "fp32"),
+                        help="the table's precision (default: from --config, else bf16; fp16 needs the same)")
+    parser.add_argument("--zero-init", choices=("yes", "no"),
+                        help="whether --config's ZeRO-3 model is built under deepspeed.zero.Init (default: yes, as "
+                             "the HF Trainer does; no config key says it)")
+    parser.add_argument("--json", action="store_true", help='print {"rows": [...], "findings": [...], "inputs": {...}}')
+
+
+# parsing ---------------------------------------------------------------------------------------------------------
+
+
+def parse_count(text: str, what: str) -> int:
+    """'7e9', '7B', '1.3b', '350M', '7_000_000' -> int; :class:`UsageError` otherwise or when not positive."""
+    m = _COUNT.match(str(text).strip())
+    if not m:
+        raise UsageError(f"{what}: cannot read {text!r} as a count (examples: 7e9, 7B, 1.3b, 350M)")
+    mant, exp, suffix = m.groups()
+    value = float(mant.replace("_", "")) * 10 ** int(exp or 0) * _SUFFIX[suffix.lower()]
+    if not math.isfinite(value) or value > 1e16:
+        raise UsageError(f"{what}: {text!r} is out of range")
+    n = round(value)
+    if n <= 0:
+        raise UsageError(f"{what}: must be positive, got {text!r}")
+    return n
+
+
+def parse_int(text: str, what: str) -> int:
+    s = str(text).strip()
+    if not re.fullmatch(r"[0-9]+", s) or int(s) <= 0:
+        raise UsageError(f"{what}: must be a positive whole number, got {text!r}")
+    return int(s)
+
+
+def parse_gib(text: str, what: str) -> float:
+    s = re.sub(r"\s*(gib|gb|g)$", "", str(text).strip(), flags=re.IGNORECASE)
+    try:
+        v = float(s)
+    except ValueError:
+        raise UsageError(f"{what}: cannot read {text!r} as GiB (e.g. 80 or 80GiB)") from None
+    if not math.isfinite(v) or v <= 0:
+        raise UsageError(f"{what}: must be a positive number of GiB, got {text!r}")
+    return v
+
+
+# probing ---------------------------------------------------------------------------------------------------------
+
+
+def host_ram_gib(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/cgroup") -> tuple[float | None, str]:
+    """This machine's RAM in GiB: MemTotal, lowered to the cgroup memory limit when one is set (the guide's
+    "available or allowed" memory: a container's limit kills as surely as the machine's)."""
+    total = None
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if total is None:
+        return None, "unknown (no /proc/meminfo; pass --cpu-mem)"
+    source = "this machine's MemTotal"
+    for path in (os.path.join(cgroup_root, "memory.max"), os.path.join(cgroup_root, "memory", "memory.limit_in_bytes")):
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+        except OSError:
+            continue
+        if raw.isdigit() and int(raw) < total:
+            total, source = int(raw), f"cgroup limit {path}"
+        break
+    return total / 2**30, source
+
+
+def visible_gpus() -> tuple[int, float | None, str]:
+    """(count, memory of the first in GiB, description); (0, None, ...) without CUDA."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return 0, None, "no GPU visible"
+        n = torch.cuda.device_count()
+        props = torch.cuda.get_device_properties(0)
+        return n, props.total_memory / 2**30, f"{n} x {props.name}"
+    except Exception as e:  # a broken driver must not stop an estimate
+        return 0, None, f"GPU probe failed: {e}"
+
+
+def model_counts(path: str) -> dict[str, Any]:
+    """Count a Hugging Face model's parameters from its config, built on the meta device (no weights, offline).
+
+    Returns {"total_params", "largest_layer", "largest_layer_module", "class", "config"}.
+
+    Raises:
+        UsageError: no such path, a folder without config.json, unreadable JSON, transformers missing, or a
+            config transformers cannot build.
+    """
+    if os.path.isdir(path):
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise UsageError(f"--model {path}: the folder has no config.json")
+    elif os.path.isfile(path):
+        cfg_path = path
+    else:
+        raise UsageError(f"--model {path}: no such file or folder")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"--model {cfg_path}: not a readable JSON file: {e}") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"--model {cfg_path}: a config must be a JSON object")
+    if "auto_map" in raw:
+        raise UsageError(f"--model {cfg_path}: the model needs its own code (auto_map), which torchdoctor does not "
+                         "run; pass --params and --largest-layer instead")
+    if "model_type" not in raw:
+        raise UsageError(f"--model {cfg_path}: no \"model_type\" key, so transformers cannot tell which model it is")
+    try:
+        import logging
+
+        import torch
+        import transformers
+    except ImportError as e:
+        raise UsageError(f"--model needs transformers and torch ({e}); or pass --params and --largest-layer") from None
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(cfg_path, local_files_only=True)
+    except Exception as e:
+        raise UsageError(f"--model {cfg_path}: transformers {transformers.__version__} cannot read it: {e}") from None
+    archs = [a for a in (getattr(cfg, "architectures", None) or []) if isinstance(a, str)]
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        cls = None
+    try:
+        with torch.device("meta"):
+            if cls is not None:
+                model = cls._from_config(cfg)
+            elif any(a.endswith("ForCausalLM") for a in archs):
+                model = transformers.AutoModelForCausalLM.from_config(cfg)
+            else:
+                model = transformers.AutoModel.from_config(cfg)
+    except Exception as e:
+        raise UsageError(f"--model {cfg_path}: cannot build the model from its config: {type(e).__name__}: {e}") \
+            from None
+    from .memory import count_params
+
+    total, largest, name = count_params(model)
+    return {"total_params": total, "largest_layer": largest, "largest_layer_module": name,
+            "class": type(model).__name__, "config": cfg_path}
+
+
+# output ----------------------------------------------------------------------------------------------------------
+
+
+def _fits_word(r) -> str:
+    if r.fits is True:
+        return "yes"
+    bad = [w for w, ok in (("host", r.fits_cpu), ("GPU", r.fits_gpu)) if ok is False]
+    if bad:
+        return "no (" + ", ".join(bad) + ")"
+    return "?"
+
+
+def render_table(rows, configured_key, judged_key, judged_label: str) -> str:
+    head = ("", "stage", "offload_param", "offload_optimizer", "zero.Init", "host GiB/node", "GiB/GPU", "fits", "", "")
+    lines = []
+    body = []
+    for r in rows:
+        mark = ">" if r.key == configured_key else ("*" if r.key == judged_key else "")
+        note = "configured" if r.key == configured_key else (judged_label if r.key == judged_key else "")
+        zi = "" if r.zero_init is None else ("yes" if r.zero_init else "no")
+        cpu = ("≥" if r.cpu_lower_bound else "") + f"{r.cpu_gib:.2f}"
+        gpu = ("≥" if r.gpu_lower_bound else "") + f"{r.gpu_gib:.2f}"
+        src = "DS" if r.source == "deepspeed" else ""
+        body.append((mark, str(r.stage), r.offload_param, r.offload_optimizer, zi, cpu, gpu, _fits_word(r), src,
+                     "<- " + note if note else ""))
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    right = {5, 6}
+    for cells in [head, *body]:
+        parts = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(cells)]
+        lines.append(" ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..findings import render_text
+    from . import memory as M
+
+    try:
+        if args.params is None and args.model is None:
+            raise UsageError("give the model size: --params 7B [--largest-layer 131M], or --model path/config.json")
+        if args.params is not None and args.model is not None:
+            raise UsageError("give --params or --model, not both")
+        model_info = None
+        if args.model is not None:
+            if args.largest_layer is not None:
+                raise UsageError("--largest-layer is counted from --model; drop one of them")
+            model_info = model_counts(args.model)
+            total, largest = model_info["total_params"], model_info["largest_layer"]
+        else:
+            total = parse_count(args.params, "--params")
+            largest = parse_count(args.largest_layer, "--largest-layer") if args.largest_layer is not None else None
+        nodes = parse_int(args.nodes, "--nodes")
+        gpu_probe: tuple[int, float | None, str] | None = None
+        if args.gpus_per_node is not None:
+            gpn, gpn_source = parse_int(args.gpus_per_node, "--gpus-per-node"), "--gpus-per-node"
+        else:
+            gpu_probe = visible_gpus()
+            gpn = max(gpu_probe[0], 1)
+            gpn_source = f"visible GPUs ({gpu_probe[2]})" if gpu_probe[0] else "default 1 (no GPU visible)"
+        if args.cpu_mem is not None:
+            cpu_gib, cpu_source = parse_gib(args.cpu_mem, "--cpu-mem"), "--cpu-mem"
+        else:
+            cpu_gib, cpu_source = host_ram_gib()
+            if cpu_gib is not None:
+                cpu_source += " (pass --cpu-mem for the training nodes)"
+        if args.gpu_mem is not None:
+            gpu_gib, gpu_source = parse_gib(args.gpu_mem, "--gpu-mem"), "--gpu-mem"
+        else:
+            gpu_probe = gpu_probe or visible_gpus()
+            gpu_gib = gpu_probe[1]
+            gpu_source = f"first visible GPU ({gpu_probe[2]})" if gpu_gib else "unknown (no GPU visible; --gpu-mem)"
+        zero_init = None if args.zero_init is None else args.zero_init == "yes"
+        configured = None
+        nvme = M.NvmeSettings()
+        if args.config is not None:
+            from ..env.bundle import BundleError, load_ds_config
+
+            try:
+                cfg = load_ds_config(args.config)
+            except BundleError as e:
+                raise UsageError(f"--config: {e}") from None
+            try:
+                configured = M.configured_from_ds_config(cfg, args.precision, zero_init)
+            except ValueError as e:
+                raise UsageError(f"--config {args.config}: {e}") from None
+            nvme = configured.nvme
+        precision = args.precision or (configured.precision if configured else "bf16")
+        try:
+            inputs = M.Inputs(total, largest, gpn, nodes, cpu_gib, gpu_gib, nvme=nvme)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    except UsageError as e:
+        print(f"torchdoctor ds memory: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+    rows = M.estimate(inputs)
+    findings, judged = M.judge(rows, inputs, precision, configured)
+    configured_key = configured.key if configured else None
+    judged_label = "likely: fastest setup that fits the GPU"
+
+    if args.json:
+        inp = inputs.to_json()
+        inp.update({
+            "precision": precision,
+            "gpus_per_node_source": gpn_source,
+            "cpu_mem_source": cpu_source,
+            "gpu_mem_source": gpu_source,
+            "config": args.config,
+            "model": model_info,
+        })
+        out = {
+            "inputs": inp,
+            "rows": [r.to_json(configured=r.key == configured_key) for r in rows],
+            "findings": [f.to_json() for f in findings],
+            "configured": None if configured is None else {
+                "stage": configured.stage, "offload_param": configured.offload_param,
+                "offload_optimizer": configured.offload_optimizer, "zero_init": configured.zero_init,
+                "precision": configured.precision, "notes": list(configured.notes)},
+            "judged": None if judged is None else judged.to_json(configured=judged.key == configured_key),
+            "note": M.NOTE + "; GiB = 2**30 bytes (DeepSpeed prints the same figures labelled GB)",
+        }
+        print(json.dumps(out, indent=1))
+    else:
+        what = (f"{model_info['class']} from {model_info['config']}: " if model_info else "")
+        what += f"{total:,} params ({M.fmt_count(total)})"
+        if largest is not None:
+            what += f", largest layer {largest:,} ({M.fmt_count(largest)}"
+            what += f", {model_info['largest_layer_module'] or 'the root module'})" if model_info else ")"
+        else:
+            what += ", largest layer unknown (--largest-layer)"
+        print(f"torchdoctor ds memory -- {what}")
+        print(f"  {nodes} node(s) x {gpn} GPU(s) per node [{gpn_source}]; {precision}")
+        print(f"  host RAM per node: {'unknown' if cpu_gib is None else f'{cpu_gib:.1f} GiB'} [{cpu_source}]")
+        print(f"  memory per GPU:    {'unknown' if gpu_gib is None else f'{gpu_gib:.1f} GiB'} [{gpu_source}]")
+        if configured is not None:
+            print(f"  configured ({args.config}): {M.describe(configured.key)}")
+        print(f"  NOTE: {M.NOTE}.")
+        print("  GiB = 2**30 bytes; DeepSpeed's estimators print the same numbers labelled \"GB\".")
+        print()
+        own = [r for r in rows if r.precision == precision]
+        print(render_table(own, configured_key, judged.key if judged and configured is None else None,
+                           judged_label))
+        print()
+        other = "fp16 needs the same as bf16" if precision != "fp32" else "fp16/bf16: --precision bf16"
+        print(f"  DS = DeepSpeed's estimators compute this row too (same numbers); {other}; all precisions in --json.")
+        print("  > configured row, * likely row; ≥ = lower bound (largest layer unknown).")
+        if nodes > 1:
+            print("  ZeRO-1/2 offload host figures follow DeepSpeed's: every rank's start-up copy and all optimizer "
+                  "states counted on each node (an overestimate on several nodes).")
+        print()
+        print(render_text(findings))
+    return EXIT_PROBLEMS if any(f.severity == "fail" for f in findings) else EXIT_OK

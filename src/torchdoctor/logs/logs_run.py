@@ -1,0 +1,109 @@
+"""``torchdoctor logs FILE... | -``: read training logs (plain, .gz, or stdin) and say what went wrong.
+
+Prints a condensed timeline (runs of the same event folded to their first and last line) and the findings:
+fp16 loss-scale collapse, non-finite loss, NCCL timeouts and errors, CUDA and host out-of-memory, killed ranks,
+CUDA/compiler build failures. Exit codes: 0 nothing failed, 1 a ``fail`` finding, 2 a file could not be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ..findings import render_text
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+MAX_GROUPS = 30  # timeline groups printed (first and last halves)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="+", metavar="FILE",
+                        help="log files (plain or gzip-compressed); '-' reads standard input")
+    parser.add_argument("--json", action="store_true",
+                        help='print {"findings": [...], "timeline": [...], "lines": N} (a "files" list for several)')
+
+
+def condense(timeline: list[dict], max_groups: int = MAX_GROUPS) -> list[str]:
+    """Timeline lines for people: consecutive events of one kind fold to first, '... N more', last."""
+    groups: list[list[dict]] = []
+    for e in timeline:
+        if groups and groups[-1][0]["event"] == e["event"]:
+            groups[-1].append(e)
+        else:
+            groups.append([e])
+    shown = groups
+    skipped = 0
+    if len(groups) > max_groups:
+        shown = groups[: max_groups // 2] + [[]] + groups[-(max_groups // 2):]
+        skipped = len(groups) - 2 * (max_groups // 2)
+    width = max((len(e["event"]) for e in timeline), default=5)
+
+    from .patterns import DS_PREFIX_RE
+
+    def row(e: dict) -> str:
+        step = f"step {e['step']}" if e["step"] is not None else ""
+        text = DS_PREFIX_RE.sub(lambda m: m.group(1)[11:19] + " ", e["text"], count=1)  # keep the time only
+        return f"  line {e['line']:>7}  {step:<12} {e['event']:<{width}}  {text[:150]}"
+
+    out = []
+    for g in shown:
+        if not g:
+            out.append(f"  ... {skipped} more group(s) of events ...")
+            continue
+        out.append(row(g[0]))
+        if len(g) > 2:
+            steps = [e["step"] for e in g[1:-1] if e["step"] is not None]
+            span = f", steps {steps[0]}-{steps[-1]}" if steps else ""
+            out.append(f"  {'':>12}  ... {len(g) - 2} more {g[0]['event']} (lines {g[1]['line']}-{g[-2]['line']}"
+                       f"{span})")
+        if len(g) > 1:
+            out.append(row(g[-1]))
+    return out
+
+
+def _analyze(path: str):
+    from .analyze import analyze_stream, open_log
+
+    if path == "-":
+        return analyze_stream(sys.stdin.buffer)
+    with open_log(path) as f:
+        return analyze_stream(f)
+
+
+def run(args: argparse.Namespace) -> int:
+    import gzip
+    import zlib
+
+    results: list[tuple[str, Any]] = []
+    unreadable = 0
+    for path in args.files:
+        try:
+            results.append((path, _analyze(path)))
+        except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+            print(f"torchdoctor logs: cannot read {path}: {why}", file=sys.stderr)
+            unreadable += 1
+    failed = any(f.severity == "fail" for _, r in results for f in r.findings)
+    code = EXIT_USAGE if unreadable else EXIT_PROBLEMS if failed else EXIT_OK
+    if not results:
+        return code
+    if args.json:
+        if len(args.files) == 1:
+            print(json.dumps(results[0][1].to_json(), indent=1))
+        else:
+            print(json.dumps({"files": [{"file": p, **r.to_json()} for p, r in results]}, indent=1))
+        return code
+    for i, (path, report) in enumerate(results):
+        if i:
+            print()
+        name = "standard input" if path == "-" else path
+        dropped = f", {report.timeline_dropped} more not kept" if report.timeline_dropped else ""
+        print(f"torchdoctor logs: {name} ({report.lines} lines, {len(report.timeline)} events{dropped})")
+        if report.timeline:
+            print("timeline:")
+            print("\n".join(condense(report.timeline)))
+        print()
+        print(render_text(report.findings))
+    return code

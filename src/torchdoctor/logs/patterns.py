@@ -1,0 +1,224 @@
+"""The log lines ``torchdoctor logs`` recognises, copied from the code that prints them.
+
+Sources (wording checked against the installed packages where they ship it):
+  - DeepSpeed 0.19.8 ``runtime/fp16/loss_scaler.py`` (``[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss
+    scale: 65536, reducing to 32768``, the hysteresis variant, ``Current loss scale already at minimum - cannot
+    decrease scale anymore. Exiting run.``), ``fused_optimizer.py`` / ``unfused_optimizer.py`` (``Grad overflow on
+    iteration N``, ``Reducing dynamic loss scale from X to Y``), ``engine.py`` (``step=N, skipped=S, lr=...``),
+    ``launcher/launch.py`` (``... exits with return code = -9``), ``ops/op_builder/builder.py`` (CUDA mismatch,
+    ``CUDA_HOME does not exist``), ``runtime/config.py`` (batch-size and fp16+bf16 assertions), legacy
+    ``[deepscale] OVERFLOW!`` and ``Overflow detected.`` lines (older releases, still in people's logs);
+  - torch ``distributed/elastic`` (``exitcode  : -9 (pid: 123)``, ``Signal 9 (SIGKILL) received by PID 123``,
+    ``failed (exitcode: -9) local_rank: 0 (pid: 123)``), ``ProcessGroupNCCL.cpp`` (``Watchdog caught collective
+    operation timeout: WorkNCCL(SeqNum=1, OpType=BROADCAST, ...) ran for 600081 milliseconds before timing out.``),
+    ``NCCLUtils.hpp`` (``NCCL error in: file:line, <reason>, NCCL version X``), the caching allocator
+    (``CUDA out of memory. Tried to allocate ...``), ``utils/cpp_extension.py`` (CUDA and host compiler versions);
+  - transformers' Trainer log dicts (``{'loss': 'nan', 'grad_norm': 'inf', ...}``: 5.x formats floats as strings,
+    4.x printed raw floats), tqdm postfixes (``loss=nan``), nvcc/gcc/ninja, bash/dmesg/slurm OOM-killer lines.
+
+Speed: a log is scanned in large chunks with a few C-speed searches (``SCAN_RE``, ``LOSS_SCAN_RE``,
+``NORM_SCAN_RE``, ``NEEDLES``) whose anchors start with characters that are rare in logs, so Python code runs
+only on the few lines that can matter; each of those is then matched against ``RULES`` (a cheap substring key
+before each regex).
+"""
+
+from __future__ import annotations
+
+import re
+
+NUM = r"[-+]?\d+(?:\.\d*)?(?:[eE][+-]?\d+)?"
+_SIZE = r"\d+(?:\.\d+)?\s?[KMGTP]?i?B"
+
+#: ANSI escape sequences (colours, cursor moves) -- stripped from a candidate line before matching.
+ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+#: DeepSpeed's logging prefix ``[2026-03-02 10:00:00,123] [INFO] [engine.py:3793:_report_progress] ``.
+DS_PREFIX_RE = re.compile(
+    r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] \[(DEBUG|INFO|WARNING|ERROR|CRITICAL)\] \[([\w.]+):(\d+):(\w+)\] ")
+#: torchrun's per-rank prefix ``[rank3]:`` (and ``[default3]:`` with --tee / log templates).
+RANK_PREFIX_RE = re.compile(r"^\[(?:rank|default)(\d+)\]:")
+
+# --- the pre-filter -------------------------------------------------------------------------------------------
+# Every alternative is a plain literal (a group or a class in front makes `re` try every position), and most
+# start with a character that is rare in training logs (upper case, v, x, j, _): `re` then skips ahead with
+# its first-character set. A line with none of these (or of LOSS/NORM_SCAN_RE, NEEDLES) produces no event.
+SCAN_ANCHORS = (
+    # DeepSpeed fp16 loss scaling
+    "OVERFLOW", "verflow", "Reducing dynamic", "Increasing dynamic", "Using static loss", "Current loss scale",
+    # NCCL / c10d
+    "Watchdog caught", "Heartbeat monitor timed out", "NCCL", "InternalError", "SystemError", "UnhandledCudaError",
+    "RemoteError", "InvalidUsage", "InvalidArgument",
+    # memory
+    "CUDA out of memory", "CUDA error: out of memory", "OutOfMemoryError", "Out of memory", "Killed", "OOM",
+    "CPU Virtual Memory", "Max_MA",
+    # process exits
+    "xits with return code", "xitcode", "SIG", "CANCELLED", "xit code", "xited with",
+    # builds
+    "Installed CUDA version", "GNU version", "We need GCC", "vcc fatal", "ja: build stopped",
+    "Error building extension", "CUDA op(s)", "CUDA was not found", "The detected CUDA version",
+    "The current installed version of",
+    "Unable to JIT load",
+    # DeepSpeed config assertions
+    "_batch_size is not equal",
+)
+SCAN_RE = re.compile("|".join(re.escape(a) for a in SCAN_ANCHORS))
+_NONFINITE = r"(?:tensor\()?[-+]?(?i:nan|inf(?:inity)?)(?![\w.])"
+#: ``loss': nan`` / ``"loss": NaN`` / ``loss=nan`` / ``loss: inf`` / ``train_loss = -inf`` (anchored on "oss").
+LOSS_SCAN_RE = re.compile(r"""oss['"]?[ \t]*[:=][ \t]*['"]?""" + _NONFINITE)
+NORM_SCAN_RE = re.compile(r"""_norm['"]?[ \t]*[:=][ \t]*['"]?""" + _NONFINITE)
+#: A finite loss value (checked only after a non-finite one, to tell whether training recovered).
+FINITE_LOSS_RE = re.compile(r"""[lL]oss['"]?[ \t]*[:=][ \t]*['"]?(?:tensor\()?[-+]?(?:\d|\.\d)""")
+#: Plain substrings searched with str.find (their first characters are too common for SCAN_RE).
+NEEDLES = ("bfloat16 and fp16 modes", "      : ", " error: ", "unable to compile CUDA")
+
+# Progress markers, read lazily (only the last one before an event matters).
+TQDM_MARKERS = ("it/s", "s/it")
+TQDM_RE = re.compile(r"(?:^|[|\s])(\d+)/(\d+) \[[\d:]+|(?:^|[:\s])(\d+)it \[[\d:]+")
+#: Bars that are not the training loop (their count is not a step): matched on the text before the count.
+TQDM_NOT_TRAINING_RE = re.compile(
+    r"(?i)load|download|upload|map|token|generat|eval|predict|valid|test|fetch|resolv|filter|shard|extract|convert"
+    r"|sanity|process|saving|writing")
+DS_STEP_MARKER = "skipped="
+DS_STEP_RE = re.compile(r"step=(\d+), skipped=(\d+)")
+
+# --- the rules: (substring key, regex, handler name) ----------------------------------------------------------
+# fp16 loss scaling
+OVERFLOW_RE = re.compile(
+    r"(?:\[(?:deepspeed|deepscale)\] OVERFLOW! (?:Rank (?P<rank>\d+) )?|Overflow detected\. "
+    r"|\[deepspeed\] fp16 dynamic loss scale overflow! )Skipping step\."
+    rf"(?: Attempted loss scale: (?P<att>{NUM}), (?:reducing to (?P<new>{NUM})"
+    r"|but hysteresis is (?P<hyst>\d+)\. Reducing hysteresis to (?P<hyst2>\d+)))?"
+    r"(?P<nonfinite> Gradients are non-finite)?")
+GRAD_OVERFLOW_RE = re.compile(r"Grad overflow on iteration:? (\d+)")
+REDUCING_RE = re.compile(rf"Reducing dynamic loss scale from ({NUM}) to ({NUM})")
+INCREASING_RE = re.compile(rf"Increasing dynamic loss scale from ({NUM}) to ({NUM})")
+STATIC_SCALE_RE = re.compile(rf"Using static loss scale of:? ({NUM})")
+MIN_SCALE_RE = re.compile(r"Current loss scale already at minimum - cannot decrease scale anymore\. Exiting run\.")
+
+# non-finite loss / grad norm (full check on the candidate line; the key of each rule is below)
+LOSS_RE = re.compile(r"""(?P<key>\w*[lL]oss)['"]?[ \t]*[:=][ \t]*['"]?(?P<val>""" + _NONFINITE + ")")
+NORM_RE = re.compile(r"""(?P<key>\w*_norm)['"]?[ \t]*[:=][ \t]*['"]?(?P<val>""" + _NONFINITE + ")")
+STEP_KEY_RE = re.compile(r"""['"](?:global_)?step['"]:[ \t]*(\d+)""")
+EPOCH_RE = re.compile(r"""['"]epoch['"]:[ \t]*['"]?(\d+(?:\.\d+)?)""")
+
+# NCCL / c10d
+NCCL_TIMEOUT_RE = re.compile(
+    r"(?:\[Rank (?P<rank>\d+)\] )?Watchdog caught collective operation timeout: WorkNCCL\("
+    r"SeqNum=(?P<seq>\d+), OpType=(?P<op>\w+)(?:, NumelIn=(?P<numel>\d+))?[^)]*?(?:Timeout\(ms\)=(?P<tmo>\d+))?\)"
+    r"(?: ran for (?P<ran>\d+) milliseconds before timing out)?")
+NCCL_HEARTBEAT_RE = re.compile(r"(?:Rank (?P<rank>\d+)\] )?Heartbeat monitor timed out")
+NCCL_ABORT_RE = re.compile(r"Some NCCL operations have failed or timed out")
+NCCL_ERROR_RE = re.compile(
+    r"NCCL error(?: in: (?P<where>\S+?))?[,:] (?P<reason>.*?)(?:, NCCL version (?P<ver>[\w.+-]+))?\s*$")
+NCCL_CODE_RE = re.compile(
+    r"nccl(?P<code>InternalError|SystemError|UnhandledCudaError|RemoteError|InvalidUsage|InvalidArgument)"
+    r"(?::\s*(?P<detail>.*))?")
+NCCL_ABORTED_RE = re.compile(r"NCCL communicator was aborted on rank (\d+)")
+NCCL_WARN_RE = re.compile(r"NCCL WARN (.*)")
+
+# memory
+CUDA_OOM_RE = re.compile(rf"CUDA out of memory\.(?: Tried to allocate (?P<req>{_SIZE}))?")
+CUDA_OOM_GPU_RE = re.compile(
+    rf"GPU (?P<gpu>\d+) has a total capacity of (?P<total>{_SIZE}) of which (?P<free>{_SIZE}) is free"
+    rf"|\(GPU (?P<gpu_old>\d+); (?P<total_old>{_SIZE}) total capacity; (?P<alloc_old>{_SIZE}) already allocated;"
+    rf" (?P<free_old>{_SIZE}) free")
+CUDA_OOM_FRAG_RE = re.compile(rf"(?P<unalloc>{_SIZE}) is reserved by PyTorch but unallocated")
+CUDA_OOM_ERROR_RE = re.compile(r"CUDA error: out of memory|OutOfMemoryError")
+MEM_GPU_RE = re.compile(rf"MA ({NUM}) GB\s+Max_MA ({NUM}) GB\s+CA ({NUM}) GB\s+Max_CA ({NUM}) GB")
+MEM_CPU_RE = re.compile(rf"CPU Virtual Memory:\s+used = ({NUM}) GB, percent = ({NUM})%")
+HOST_OOM_RE = re.compile(
+    r"Out of memory: Kill(?:ed)? process (?P<pid>\d+)(?: \((?P<comm>[^)]*)\))?"
+    r"|Memory cgroup out of memory: Kill(?:ed)? process (?P<pid2>\d+)"
+    r"|Detected (?P<n>\d+) oom[-_]kill events?|oom[-_]kill:|OOM Killed|OOM killer")
+
+# process exits
+DS_EXIT_RE = re.compile(r"exits with return code = (-?\d+)")
+DS_LOCAL_RANK_RE = re.compile(r"--local_rank=(\d+)")
+TORCHRUN_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+TORCHRUN_EXITCODE_RE = re.compile(r"^\s*exitcode\s*: (-?\d+)(?: \(pid: (\d+)\))?")
+TORCHRUN_SIGNAL_RE = re.compile(r"Signal (\d+) \((SIG\w+)\) received by PID (\d+)")
+TORCHRUN_HOST_RE = re.compile(r"^\s*host\s{3,}: (\S+)")
+TORCHRUN_RANK_RE = re.compile(r"^\s*rank\s{3,}: (\d+) \(local_rank: (\d+)\)")
+SPAWN_RE = re.compile(r"process (\d+) terminated with (?:signal (SIG\w+)|exit code (\d+))")
+SUBPROCESS_SIGNAL_RE = re.compile(r"died with <Signals\.(SIG\w+): (\d+)>")
+BASH_KILLED_RE = re.compile(r"^\s*Killed\s*$|: line \d+: +(\d+) Killed\b")
+SIGTERM_SENT_RE = re.compile(r"Sending process (\d+) closing signal (SIG\w+)")
+SLURM_CANCEL_RE = re.compile(r"CANCELLED AT (\S+) DUE TO (TIME LIMIT|PREEMPTION|NODE FAILURE)")
+
+# builds
+DS_CUDA_MISMATCH_RE = re.compile(
+    r"Installed CUDA version (?P<sys>\d+\.\d+) does not match the version torch was compiled with (?P<torch>\d+\.\d+)"
+    r"(?P<tail>.*)")
+TORCH_CUDA_MISMATCH_RE = re.compile(
+    r"The detected CUDA version \((?P<sys>[\d.]+)\) (?P<kind>mismatches|has a minor version mismatch with) the version"
+    r" that was used to compile\s*PyTorch \((?P<torch>[\d.]+)\)")
+CUDA_HOME_RE = re.compile(r"CUDA_HOME does not exist, unable to compile CUDA op\(s\)|CUDA was not found on the system"
+                          r"|Unable to run (\S+), unable to compile CUDA op\(s\)")
+GCC_TOO_NEW_RE = re.compile(r"unsupported GNU version! gcc versions later than (\d+) are not supported")
+GCC_TOO_OLD_RE = re.compile(r"We need GCC (\d+) or later")
+TORCH_COMPILER_RE = re.compile(
+    r"The current installed version of (?P<cc>\S+) \((?P<ver>[\d.]+)\) is (?P<rel>less|greater) than the"
+    r" (?:minimum|maximum) required version by CUDA (?P<cuda>[\d.]+)")
+NVCC_FATAL_RE = re.compile(r"nvcc fatal\s*:\s*(.*)")
+NINJA_STOPPED_RE = re.compile(r"ninja: build stopped: (.*)")
+EXT_BUILD_RE = re.compile(r"Error building extension '([\w.-]+)'")
+JIT_LOAD_RE = re.compile(r"Unable to JIT load the (\w+) op due to (it not being compatible|ninja not being installed)")
+COMPILE_ERROR_RE = re.compile(r"^\s*(\S+?(?::\d+){1,2}|\S+\(\d+\)): (?:fatal )?error: (.*)")
+
+# DeepSpeed config
+DS_BF16_FP16_RE = re.compile(r"bfloat16 and fp16 modes cannot be simultaneously enabled")
+DS_BATCH_RE = re.compile(
+    r"train_batch_size is not equal to micro_batch_per_gpu \* gradient_acc_step \* world_size"
+    r" (\d+) != (\d+) \* (\d+) \* (\d+)")
+
+#: (substring that must be present, regex, Analyzer handler method). Checked in order on every candidate line.
+RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
+    ("OVERFLOW", OVERFLOW_RE, "_on_overflow"),
+    ("Overflow detected", OVERFLOW_RE, "_on_overflow"),
+    ("loss scale overflow!", OVERFLOW_RE, "_on_overflow"),
+    ("Grad overflow on iteration", GRAD_OVERFLOW_RE, "_on_grad_overflow"),
+    ("Reducing dynamic loss scale", REDUCING_RE, "_on_reducing"),
+    ("Increasing dynamic loss scale", INCREASING_RE, "_on_increasing"),
+    ("Using static loss scale", STATIC_SCALE_RE, "_on_static_scale"),
+    ("Current loss scale already at minimum", MIN_SCALE_RE, "_on_min_scale"),
+    ("oss", LOSS_RE, "_on_loss"),
+    ("_norm", NORM_RE, "_on_norm"),
+    ("Watchdog caught", NCCL_TIMEOUT_RE, "_on_nccl_timeout"),
+    ("Heartbeat monitor timed out", NCCL_HEARTBEAT_RE, "_on_nccl_heartbeat"),
+    ("Some NCCL operations", NCCL_ABORT_RE, "_on_nccl_abort"),
+    ("NCCL error", NCCL_ERROR_RE, "_on_nccl_error"),
+    ("nccl", NCCL_CODE_RE, "_on_nccl_code"),
+    ("NCCL communicator was aborted", NCCL_ABORTED_RE, "_on_nccl_aborted"),
+    ("NCCL WARN", NCCL_WARN_RE, "_on_nccl_warn"),
+    ("CUDA out of memory", CUDA_OOM_RE, "_on_cuda_oom"),
+    ("ut of memory", CUDA_OOM_ERROR_RE, "_on_cuda_oom_error"),
+    ("OutOfMemoryError", CUDA_OOM_ERROR_RE, "_on_cuda_oom_error"),
+    ("Max_MA", MEM_GPU_RE, "_on_mem_gpu"),
+    ("CPU Virtual Memory", MEM_CPU_RE, "_on_mem_cpu"),
+    ("ut of memory", HOST_OOM_RE, "_on_host_oom"),
+    ("oom", HOST_OOM_RE, "_on_host_oom"),
+    ("OOM", HOST_OOM_RE, "_on_host_oom"),
+    ("exits with return code", DS_EXIT_RE, "_on_ds_exit"),
+    ("failed (exitcode", TORCHRUN_FAILED_RE, "_on_torchrun_failed"),
+    ("exitcode", TORCHRUN_EXITCODE_RE, "_on_torchrun_exitcode"),
+    ("received by PID", TORCHRUN_SIGNAL_RE, "_on_torchrun_signal"),
+    ("host ", TORCHRUN_HOST_RE, "_on_torchrun_host"),
+    ("(local_rank:", TORCHRUN_RANK_RE, "_on_torchrun_rank"),
+    ("terminated with", SPAWN_RE, "_on_spawn"),
+    ("died with <Signals", SUBPROCESS_SIGNAL_RE, "_on_subprocess_signal"),
+    ("Killed", BASH_KILLED_RE, "_on_bash_killed"),
+    ("closing signal", SIGTERM_SENT_RE, "_on_sigterm_sent"),
+    ("CANCELLED AT", SLURM_CANCEL_RE, "_on_slurm_cancel"),
+    ("Installed CUDA version", DS_CUDA_MISMATCH_RE, "_on_ds_cuda_mismatch"),
+    ("The detected CUDA version", TORCH_CUDA_MISMATCH_RE, "_on_torch_cuda_mismatch"),
+    ("CUDA", CUDA_HOME_RE, "_on_cuda_home"),
+    ("unsupported GNU version", GCC_TOO_NEW_RE, "_on_gcc_too_new"),
+    ("We need GCC", GCC_TOO_OLD_RE, "_on_gcc_too_old"),
+    ("The current installed version of", TORCH_COMPILER_RE, "_on_torch_compiler"),
+    ("nvcc fatal", NVCC_FATAL_RE, "_on_nvcc_fatal"),
+    ("ninja: build stopped", NINJA_STOPPED_RE, "_on_ninja_stopped"),
+    ("Error building extension", EXT_BUILD_RE, "_on_ext_build"),
+    ("Unable to JIT load", JIT_LOAD_RE, "_on_jit_load"),
+    (" error: ", COMPILE_ERROR_RE, "_on_compile_error"),
+    ("bfloat16 and fp16 modes", DS_BF16_FP16_RE, "_on_ds_bf16_fp16"),
+    ("train_batch_size is not equal", DS_BATCH_RE, "_on_ds_batch"),
+)

@@ -1,0 +1,826 @@
+"""Run a command as a transparent child and explain how it ended (the engine of ``torchdoctor run``).
+
+A DeepSpeed run that exhausts host RAM while loading is SIGKILLed by the kernel with no traceback: the
+log just stops. Only something *outside* the process can say what happened, so this module runs the
+command as a child and watches it:
+
+* its stdout and stderr pass through unchanged (byte for byte, chunk by chunk as they arrive, so a
+  ``\\r`` progress bar is not held back), are appended to a log file if asked, and are fed line by line
+  to the log :class:`~torchdoctor.logs.analyze.Analyzer`;
+* every ``interval`` seconds it sums ``VmRSS`` over the child's whole process tree (found through the
+  ``ppid`` field of ``/proc/*/stat``, so torchrun's workers count) and reads ``MemAvailable`` and
+  ``MemTotal``; it keeps the peak tree RSS and the lowest MemAvailable, with their times;
+* when the child dies by a signal it reads the kernel log (best effort: ``dmesg -T``, ``/dev/kmsg``,
+  ``journalctl -k``) and the cgroup's ``oom_kill`` counter for evidence of the OOM killer.
+
+The child runs in its own process group; SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to us are forwarded
+to that whole group (so torchrun and all its workers get a Ctrl-C exactly once), the third SIGINT sends
+SIGKILL. The wrapper itself never prints during the run: the caller renders :class:`RunResult`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import select
+import selectors
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..findings import Finding
+
+GIB = 1024**3
+MIB = 1024**2
+_READ_CHUNK = 65536
+_MAX_PARTIAL_LINE = 1 << 20  # a "line" longer than this is fed to the analyzer in pieces
+_MAX_SAMPLES = 4000  # memory samples kept for --json; older ones are thinned, never the peaks
+_DRAIN_IDLE_S = 1.0  # after the child exits: stop reading once the pipes are idle this long ...
+_DRAIN_MAX_S = 5.0  # ... or this long at most (a daemonised grandchild may hold the pipes forever)
+_FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+
+MEMORY_FIXES = [
+    "Offload to NVMe instead of CPU: in the DeepSpeed config set zero_optimization.offload_optimizer.device "
+    'and (ZeRO-3) offload_param.device to "nvme" with "nvme_path" on a fast local disk -- "cpu" offload '
+    "keeps the optimizer states (and parameters) in host RAM, on every node",
+    "Build the model under ZeRO-3 zero.Init so no rank materialises the full model in host RAM: "
+    "`with deepspeed.zero.Init(config_dict_or_path=ds_config):` around construction (HF: create the "
+    "TrainingArguments/HfDeepSpeedConfig with the ZeRO-3 config before from_pretrained; accelerate: "
+    "zero3_init_flag: true)",
+    "Start fewer ranks per node (torchrun --nproc_per_node 4 instead of 8, deepspeed --num_gpus 4): each rank "
+    "loads its own copy of the checkpoint into host RAM before it is sharded",
+    "Size it before the next try: `torchdoctor ds memory` estimates host and GPU memory per node for each "
+    "ZeRO stage and offload choice",
+]
+
+
+class WrapError(Exception):
+    """The command could not be started; ``exit_code`` is what a shell would return (127, 126)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# ----------------------------------------------------------------------------------------------- /proc
+
+
+def read_meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes (only the ``kB`` lines); ``{}`` where it is unreadable."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if len(parts) == 2 and parts[1] == "kB":
+                    out[name] = int(parts[0]) * 1024
+    except (OSError, ValueError):
+        return {}
+    return out
+
+
+def _ppid_map() -> dict[int, int]:
+    """pid -> ppid for every process visible in /proc (threads are not listed at the top level)."""
+    out: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            # "pid (comm) state ppid ..." -- comm may hold spaces and parentheses: split after the last ')'
+            out[int(name)] = int(stat[stat.rindex(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # the process ended while we looked
+    return out
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its living descendants (``[]`` once ``root`` is gone)."""
+    ppids = _ppid_map()
+    if root not in ppids:
+        return []
+    children: dict[int, list[int]] = {}
+    for pid, ppid in ppids.items():
+        children.setdefault(ppid, []).append(pid)
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
+def vm_rss(pid: int) -> int:
+    """Resident set size of one process in bytes (0 for a zombie or a process that is gone)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _cgroup_dirs() -> list[str]:
+    """This process's memory-cgroup directories, v2 and v1, most specific first."""
+    dirs: list[str] = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            entries = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        entries = []
+    for e in entries:
+        if len(e) != 3:
+            continue
+        _, controllers, path = e
+        if controllers == "":
+            dirs += [f"/sys/fs/cgroup{path}", f"/sys/fs/cgroup/unified{path}"]
+        elif "memory" in controllers.split(","):
+            dirs.append(f"/sys/fs/cgroup/{controllers}{path}")
+    dirs += ["/sys/fs/cgroup", "/sys/fs/cgroup/memory"]  # inside a cgroup namespace the path is "/"
+    return [os.path.normpath(d) for d in dict.fromkeys(dirs)]
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def cgroup_memory() -> tuple[int | None, int | None]:
+    """(memory limit in bytes or None when unlimited/unknown, oom_kill counter or None) of our cgroup."""
+    limit = oom = None
+    for d in _cgroup_dirs():
+        for name in ("memory.max", "memory.limit_in_bytes"):
+            text = _read(os.path.join(d, name))
+            if limit is None and text is not None:
+                text = text.strip()
+                if text.isdigit() and int(text) < 1 << 60:
+                    limit = int(text)
+        for name in ("memory.events", "memory.oom_control"):
+            text = _read(os.path.join(d, name))
+            if oom is None and text:
+                m = re.search(r"^oom_kill (\d+)$", text, re.M)
+                if m:
+                    oom = int(m.group(1))
+        if limit is not None or oom is not None:
+            break
+    return limit, oom
+
+
+# --------------------------------------------------------------------------------------- kernel log
+
+_OOM_LINE = re.compile(r"Killed process (\d+)|oom-kill:.*?\bpid=(\d+)|Out of memory.*?process (\d+)")
+
+
+@dataclass
+class KernelLog:
+    readable: bool
+    source: str  # "dmesg -T", "/dev/kmsg", "journalctl -k" or why none was readable
+    oom_lines: list[str] = field(default_factory=list)  # OOM-killer lines that name one of our pids
+    memcg: str | None = None  # the cgroup whose limit ran out (CONSTRAINT_MEMCG); None: the machine's RAM
+    memcg_limit: int | None = None
+
+
+def memcg_limit(path: str) -> int | None:
+    """The memory limit of the cgroup ``path`` (as the kernel names it, e.g. ``/slurm/uid_1/job_7``)."""
+    for f in (f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes", f"/sys/fs/cgroup{path}/memory.max",
+              f"/sys/fs/cgroup/unified{path}/memory.max"):
+        text = (_read(os.path.normpath(f)) or "").strip()
+        if text.isdigit() and int(text) < 1 << 60:
+            return int(text)
+    return None
+
+
+def _run_quiet(cmd: list[str], timeout: float) -> str | None:
+    try:
+        p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if p.returncode != 0:
+        return None
+    text = p.stdout.decode("utf-8", "replace")
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith(("-- No entries", "No journal"))]
+    return "\n".join(lines) if lines else None
+
+
+def _read_kmsg(max_records: int = 200_000, max_s: float = 2.0) -> str | None:
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    out: list[str] = []
+    deadline = time.monotonic() + max_s
+    try:
+        while len(out) < max_records and time.monotonic() < deadline:
+            try:
+                rec = os.read(fd, 8192)
+            except BlockingIOError:
+                break  # the end of the buffer
+            except OSError as e:
+                if e.errno == errno.EPIPE:  # records overwritten while we read: keep going
+                    continue
+                return None
+            if not rec:
+                break
+            out.append(rec.decode("utf-8", "replace").split(";", 1)[-1].rstrip("\n"))
+    finally:
+        os.close(fd)
+    return "\n".join(out) if out else None
+
+
+def parse_oom_lines(text: str, pids: set[int]) -> tuple[list[str], str | None]:
+    """The OOM-killer lines of a kernel log that name one of ``pids`` (the last 4), and the cgroup whose limit
+    ran out when the kill was confined to one (``constraint=CONSTRAINT_MEMCG ... oom_memcg=PATH``)."""
+    lines, memcg = [], None
+    for line in text.splitlines():
+        m = _OOM_LINE.search(line)
+        if m and int(next(g for g in m.groups() if g)) in pids:
+            lines.append(line.strip())
+            c = re.search(r"constraint=CONSTRAINT_MEMCG\b.*?\boom_memcg=([^,\s]+)", line)
+            if c:
+                memcg = c.group(1)
+    return lines[-4:], memcg
+
+
+def read_kernel_oom(pids: set[int]) -> KernelLog:
+    """The kernel's OOM-killer lines about ``pids``, from the first kernel log we are allowed to read."""
+    sources = (
+        ("dmesg -T", lambda: _run_quiet(["dmesg", "-T"], 3.0)),
+        ("/dev/kmsg", _read_kmsg),
+        ("journalctl -k", lambda: _run_quiet(["journalctl", "-k", "-b", "-q", "--no-pager", "-n", "20000"], 5.0)),
+    )
+    for name, read in sources:
+        text = read()
+        if text is None:
+            continue
+        lines, memcg = parse_oom_lines(text, pids)
+        return KernelLog(True, name, lines, memcg, memcg_limit(memcg) if memcg else None)
+    return KernelLog(False, "kernel log not readable (dmesg -T, /dev/kmsg and journalctl -k refused or absent)")
+
+
+# --------------------------------------------------------------------------------------- the run
+
+
+@dataclass
+class RunResult:
+    """Everything observed about one run of a command."""
+
+    argv: list[str]
+    pid: int
+    exit_code: int  # the command's exit status; 128 + signal when a signal killed it
+    signal: int | None
+    duration_s: float
+    peak_rss: int  # bytes: max over samples of the tree's summed VmRSS, and the child's own ru_maxrss
+    peak_rss_t: float | None  # seconds after start (None when the peak came from ru_maxrss only)
+    peak_rss_procs: int  # processes in the tree at the sampled peak
+    child_maxrss: int  # bytes: ru_maxrss from wait4 (the child and its reaped descendants, max not sum;
+    # it includes our own RSS at fork time, see run_command)
+    mem_total: int | None
+    min_available: int | None
+    min_available_t: float | None
+    cgroup_limit: int | None
+    cgroup_oom_kills: int | None  # how much the cgroup's oom_kill counter rose during the run
+    pids_seen: set[int]
+    forwarded: list[tuple[float, str]]  # (seconds after start, signal name) sent on to the child
+    killed_by_us: bool  # SIGKILL sent by us after the third SIGINT
+    interval: float
+    samples: list[dict[str, float]]  # {"t", "rss_gib", "available_gib"}, thinned to at most _MAX_SAMPLES
+    log_findings: list[Finding]
+    timeline: list[dict]
+    kernel: KernelLog | None = None
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def signal_name(self) -> str | None:
+        return _signame(self.signal) if self.signal else None
+
+    def to_json(self) -> dict[str, Any]:
+        def gib(b: int | None) -> float | None:
+            return None if b is None else round(b / GIB, 3)
+
+        return {
+            "command": list(self.argv),
+            "pid": self.pid,
+            "exit_code": self.exit_code,
+            "signal": self.signal_name,
+            "duration_s": round(self.duration_s, 3),
+            "peak_rss_gib": gib(self.peak_rss),
+            "peak_rss_at_s": None if self.peak_rss_t is None else round(self.peak_rss_t, 2),
+            "min_available_gib": gib(self.min_available),
+            "min_available_at_s": None if self.min_available_t is None else round(self.min_available_t, 2),
+            "mem_total_gib": gib(self.mem_total),
+            "cgroup_limit_gib": gib(self.cgroup_limit),
+            "interval_s": self.interval,
+            "findings": [f.to_json() for f in self.findings],
+            "timeline": list(self.timeline),
+            "memory": list(self.samples),
+        }
+
+
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def _write_all(fd: int, data: bytes) -> bool:
+    """Write everything; False when the reader is gone (EPIPE) so the caller stops writing there."""
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except BlockingIOError:  # an inherited non-blocking stdout
+            select.select([], [fd], [], 1.0)
+            continue
+        except (BrokenPipeError, OSError):
+            return False
+        view = view[n:]
+    return True
+
+
+class _Lines:
+    """Splits one byte stream into ``\\n`` lines for the analyzer (which reads ``\\r`` segments itself)."""
+
+    def __init__(self) -> None:
+        self.partial = b""
+
+    def feed(self, data: bytes) -> list[str]:
+        parts = (self.partial + data).split(b"\n")
+        self.partial = parts.pop()
+        if len(self.partial) > _MAX_PARTIAL_LINE:
+            parts.append(self.partial)
+            self.partial = b""
+        return [p.decode("utf-8", "replace") for p in parts]  # blank lines too: the analyzer numbers lines
+
+    def flush(self) -> list[str]:
+        rest, self.partial = self.partial, b""
+        return [rest.decode("utf-8", "replace")] if rest else []
+
+
+class _Analysis:
+    """The log analyzer behind a guard: a bug in it must never disturb the command it watches."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        self.analyzer: Any = None
+        try:
+            from .analyze import Analyzer
+
+            self.analyzer = Analyzer()
+        except Exception as e:  # noqa: BLE001 -- reported as a finding, the run goes on
+            self.error = f"cannot start the log analyzer: {type(e).__name__}: {e}"
+
+    def feed(self, lines: list[str]) -> None:
+        if self.analyzer is None:
+            return
+        try:
+            for line in lines:
+                self.analyzer.feed_line(line)
+        except Exception as e:  # noqa: BLE001
+            self.error = f"the log analyzer failed on a line: {type(e).__name__}: {e}"
+            self.analyzer = None
+
+    def finish(self) -> tuple[list[Finding], list[dict]]:
+        if self.analyzer is not None:
+            try:
+                report = self.analyzer.finish()
+                return list(report.findings), list(report.timeline)
+            except Exception as e:  # noqa: BLE001
+                self.error = f"the log analyzer failed at the end: {type(e).__name__}: {e}"
+        return [], []
+
+
+class _Memory:
+    """Samples the tree's RSS and the machine's MemAvailable; keeps the extremes and a thinned series."""
+
+    def __init__(self, root: int, start: float) -> None:
+        self.root, self.start = root, start
+        self.peak, self.peak_t, self.peak_procs = 0, None, 0
+        self.min_avail: int | None = None
+        self.min_avail_t: float | None = None
+        self.total: int | None = None
+        self.pids_seen: set[int] = {root}
+        self.samples: list[dict[str, float]] = []
+        self._every, self._n = 1, 0
+
+    def sample(self, now: float) -> None:
+        t = now - self.start
+        tree = process_tree(self.root)
+        self.pids_seen.update(tree[:4096])
+        rss = sum(vm_rss(p) for p in tree)
+        if tree and rss > self.peak:
+            self.peak, self.peak_t, self.peak_procs = rss, t, len(tree)
+        mi = read_meminfo()
+        avail, self.total = mi.get("MemAvailable"), mi.get("MemTotal", self.total)
+        if avail is not None and (self.min_avail is None or avail < self.min_avail):
+            self.min_avail, self.min_avail_t = avail, t
+        if self._n % self._every == 0:
+            self.samples.append({"t": round(t, 2), "rss_gib": round(rss / GIB, 4),
+                                 "available_gib": None if avail is None else round(avail / GIB, 4)})
+            if len(self.samples) > _MAX_SAMPLES:
+                self.samples = self.samples[::2]
+                self._every *= 2
+        self._n += 1
+
+
+class _Signals:
+    """Forwards terminal/job-control signals to the child's process group while it runs."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.pgid: int | None = None
+        self.pending: list[int] = []
+        self.forwarded: list[tuple[float, str]] = []
+        self.sigints = 0
+        self.killed_by_us = False
+        self.old: dict[int, Any] = {}
+
+    def install(self) -> None:
+        try:
+            for name in _FORWARDED:
+                sig = getattr(signal, name)
+                self.old[sig] = signal.signal(sig, self._handle)
+            self.old[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, self._stop)
+            self.old[signal.SIGCONT] = signal.signal(signal.SIGCONT, self._cont)
+        except ValueError:  # not the main thread: signals cannot be forwarded, the run still works
+            self.restore()
+
+    def restore(self) -> None:
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+        self.old.clear()
+
+    def attach(self, pgid: int) -> None:
+        self.pgid = pgid
+        for sig in self.pending:
+            self._send(sig)
+        self.pending.clear()
+
+    def _send(self, sig: int) -> None:
+        if self.pgid is None:
+            self.pending.append(sig)
+            return
+        try:
+            os.killpg(self.pgid, sig)
+        except OSError:
+            with contextlib.suppress(OSError):  # the child left its group (setsid): reach it at least
+                os.kill(self.pgid, sig)
+
+    def _handle(self, sig: int, frame: Any) -> None:
+        if sig == signal.SIGINT:
+            self.sigints += 1
+            if self.sigints >= 3:
+                os.write(2, b"\ntorchdoctor run: third interrupt -- sending SIGKILL to the command\n")
+                self.killed_by_us = True
+                sig = signal.SIGKILL
+        self.forwarded.append((time.monotonic() - self.start, _signame(sig)))
+        self._send(sig)
+
+    def _stop(self, sig: int, frame: Any) -> None:  # Ctrl-Z: stop the command, then ourselves
+        self._send(signal.SIGTSTP)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    def _cont(self, sig: int, frame: Any) -> None:
+        self._send(signal.SIGCONT)
+
+
+def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
+                out_fd: int = 1, err_fd: int = 2) -> RunResult:
+    """Run ``argv``, pass its output through to ``out_fd``/``err_fd``, watch it, and say how it ended.
+
+    Args:
+        argv: the command and its arguments (looked up on PATH like a shell does).
+        log_file: an open binary file; every byte the command writes (stdout and stderr, in arrival order)
+            is appended to it and flushed at once.
+        interval: seconds between memory samples.
+
+    Raises:
+        WrapError: the command could not be started (exit_code 127: not found, 126: not executable).
+    """
+    if not argv:
+        raise WrapError("no command given", 2)
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")  # its stdout is a pipe now: without this Python would block-buffer
+    # Our own group for the child: a signal we forward reaches the whole tree exactly once. A terminal as
+    # stdin would stop a background group that reads it (SIGTTIN) -- give it no stdin rather than a hang.
+    stdin = subprocess.DEVNULL if _isatty(0) else None
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+
+    start = time.monotonic()
+    sigs = _Signals(start)
+    sigs.install()
+    proc = None
+    status: tuple[int, Any] | None = None  # (wait status, rusage)
+    try:
+        cg_limit, oom_before = cgroup_memory()
+        own_rss = vm_rss(os.getpid())
+        try:
+            proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env=env, **group)
+        except FileNotFoundError:
+            raise WrapError(f"{argv[0]}: command not found", 127) from None
+        except PermissionError:
+            raise WrapError(f"{argv[0]}: permission denied (not executable)", 126) from None
+        except OSError as e:
+            raise WrapError(f"{argv[0]}: cannot execute: {e.strerror or e}", 126) from None
+        start = time.monotonic()
+        sigs.start = start
+        sigs.attach(proc.pid)
+        analysis = _Analysis()
+        mem = _Memory(proc.pid, start)
+        mem.sample(start)
+        next_sample = start + interval
+
+        sel = selectors.DefaultSelector()
+        outputs = {proc.stdout.fileno(): [out_fd, _Lines()], proc.stderr.fileno(): [err_fd, _Lines()]}
+        for fd in outputs:
+            sel.register(fd, selectors.EVENT_READ)
+        exited_at = last_data = None
+        while outputs:
+            now = time.monotonic()
+            if status is None:
+                if now >= next_sample:
+                    mem.sample(now)
+                    next_sample = max(next_sample + interval, now + interval / 4)
+                pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    status, exited_at = (st, ru), now
+            elif now - exited_at > _DRAIN_MAX_S or now - max(exited_at, last_data or exited_at) > _DRAIN_IDLE_S:
+                break  # the command is gone but something it started still holds the pipes
+            timeout = 0.1 if status is not None else max(0.0, min(next_sample - now, 0.25))
+            for key, _ in sel.select(timeout):
+                fd = key.fd
+                try:
+                    data = os.read(fd, _READ_CHUNK)
+                except OSError:
+                    data = b""
+                dest, lines = outputs[fd]
+                if not data:
+                    analysis.feed(lines.flush())
+                    sel.unregister(fd)
+                    del outputs[fd]
+                    continue
+                last_data = time.monotonic()
+                if dest is not None and not _write_all(dest, data):
+                    outputs[fd][0] = None  # our reader went away: keep draining into the log and analyzer
+                if log_file is not None:
+                    try:
+                        log_file.write(data)
+                        log_file.flush()
+                    except OSError:
+                        log_file = None
+                analysis.feed(lines.feed(data))
+        for _, lines in outputs.values():
+            analysis.feed(lines.flush())
+        sel.close()
+        if status is None:
+            _, st, ru = os.wait4(proc.pid, 0)
+            status = (st, ru)
+        end = exited_at if exited_at is not None else time.monotonic()
+    finally:
+        sigs.restore()
+        if proc is not None:
+            if status is None:  # we failed (a bug): do not leave the command running unseen
+                _terminate(proc.pid)
+            for f in (proc.stdout, proc.stderr):
+                if f is not None:
+                    f.close()
+
+    st, ru = status
+    sig = os.WTERMSIG(st) if os.WIFSIGNALED(st) else None
+    code = 128 + sig if sig else os.WEXITSTATUS(st)
+    proc.returncode = -sig if sig else code
+    child_maxrss = int(ru.ru_maxrss) * 1024
+    peak, peak_t, procs = mem.peak, mem.peak_t, mem.peak_procs
+    # The kernel may have seen a higher peak between our samples -- but a forked child's ru_maxrss starts at
+    # the parent's RSS at fork time (it survives exec), so only a value clearly above ours is the command's.
+    if child_maxrss > peak and child_maxrss > 1.1 * own_rss + 16 * MIB:
+        peak, peak_t, procs = child_maxrss, None, 1
+    _, oom_after = cgroup_memory()
+    oom_kills = None if oom_before is None or oom_after is None else oom_after - oom_before
+    log_findings, timeline = analysis.finish()
+    result = RunResult(
+        argv=list(argv), pid=proc.pid, exit_code=code, signal=sig, duration_s=end - start,
+        peak_rss=peak, peak_rss_t=peak_t, peak_rss_procs=procs, child_maxrss=child_maxrss,
+        mem_total=mem.total, min_available=mem.min_avail, min_available_t=mem.min_avail_t,
+        cgroup_limit=cg_limit, cgroup_oom_kills=oom_kills, pids_seen=mem.pids_seen,
+        forwarded=sigs.forwarded, killed_by_us=sigs.killed_by_us, interval=interval,
+        samples=mem.samples, log_findings=log_findings, timeline=timeline,
+    )
+    if code != 0:
+        result.kernel = read_kernel_oom(result.pids_seen)
+    result.findings = [exit_finding(result)]
+    mf = memory_finding(result)
+    if mf is not None:
+        result.findings.append(mf)
+    if analysis.error:
+        result.findings.append(Finding("logs.analyzer-error", "info", "the log analyzer could not read this run",
+                                       evidence=[analysis.error], fix=[], data={}))
+    result.findings += log_findings
+    return result
+
+
+def _isatty(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
+
+
+def _terminate(pid: int) -> None:
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except OSError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    return
+            except ChildProcessError:
+                return
+            time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------------------- findings
+
+
+def cmdline(argv: list[str], limit: int = 300) -> str:
+    """The command as a shell would show it, on one line and at most ``limit`` characters."""
+    def show(a: str) -> str:
+        if shlex.quote(a) == a:
+            return a
+        return f'"{a}"' if not any(c in a for c in '"\\$`') else shlex.quote(a)
+
+    s = " ".join(show(a) for a in argv).replace("\n", " ")
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
+
+
+def _ram(r: RunResult) -> tuple[int | None, str]:
+    """The memory the tree was up against: the cgroup limit when it is tighter than the machine's RAM."""
+    if r.kernel is not None and r.kernel.memcg_limit is not None:
+        return r.kernel.memcg_limit, "cgroup limit"
+    if r.cgroup_limit is not None and (r.mem_total is None or r.cgroup_limit < r.mem_total):
+        return r.cgroup_limit, "cgroup limit"
+    return r.mem_total, "RAM"
+
+
+def _peak_phrase(r: RunResult) -> str:
+    total, what = _ram(r)
+    s = f"peak RSS {fmt_bytes(r.peak_rss)}"
+    if total:
+        s += f" of {fmt_bytes(total)} {what} ({100 * r.peak_rss / total:.0f}%)"
+    return s
+
+
+def _memory_evidence(r: RunResult) -> list[str]:
+    ev = []
+    if r.peak_rss_t is not None:
+        ev.append(f"peak RSS of the process tree: {fmt_bytes(r.peak_rss)} at {r.peak_rss_t:.1f} s "
+                  f"({r.peak_rss_procs} process{'es' if r.peak_rss_procs != 1 else ''}; sum of VmRSS sampled "
+                  f"every {r.interval:g} s, shared pages counted once per process)")
+    else:
+        ev.append(f"peak RSS: {fmt_bytes(r.peak_rss)} (the kernel's ru_maxrss of the command; the samples every "
+                  f"{r.interval:g} s saw less)")
+    if r.min_available is not None:
+        at = f" at {r.min_available_t:.1f} s" if r.min_available_t is not None else ""
+        ev.append(f"lowest MemAvailable: {fmt_bytes(r.min_available)} of {fmt_bytes(r.mem_total)} MemTotal{at}")
+    if r.cgroup_limit is not None:
+        ev.append(f"cgroup memory limit: {fmt_bytes(r.cgroup_limit)}")
+    return ev
+
+
+def _oom_evidence(r: RunResult) -> tuple[bool | None, list[str]]:
+    """(OOM confirmed? True / ruled out by a readable log: False / unknown: None, evidence lines)."""
+    ev: list[str] = []
+    confirmed: bool | None = None
+    k = r.kernel
+    if k is not None:
+        if not k.readable:
+            ev.append(k.source)
+        elif k.oom_lines:
+            confirmed = True
+            ev += [f"kernel ({k.source}): {line}" for line in k.oom_lines]
+            if k.memcg:
+                ev.append(f"the OOM kill was confined to the cgroup {k.memcg} (CONSTRAINT_MEMCG, limit "
+                          f"{fmt_bytes(k.memcg_limit)}): a job/container memory limit ran out, not the machine's RAM")
+        else:
+            confirmed = False
+            ev.append(f"kernel log ({k.source}) has no OOM-killer entry for this command's processes")
+    if r.cgroup_oom_kills:
+        confirmed = True
+        ev.append(f"the cgroup's oom_kill counter rose by {r.cgroup_oom_kills} during the run")
+    return confirmed, ev
+
+
+def exit_finding(r: RunResult) -> Finding:
+    """``process.exit``: how the command ended, and for SIGKILL whether the OOM killer did it."""
+    cmd = cmdline(r.argv)
+    d = r.duration_s
+    data = {"exit_code": r.exit_code, "signal": r.signal_name, "duration_s": round(d, 3), "pid": r.pid,
+            "peak_rss_bytes": r.peak_rss, "min_available_bytes": r.min_available, "mem_total_bytes": r.mem_total}
+    ev = [f"command: {cmd}", f"pid {r.pid}, ran {d:.1f} s"]
+    ev += [f"forwarded {name} at {t:.1f} s" for t, name in r.forwarded]
+    if r.signal is None and r.exit_code == 0:
+        return Finding("process.exit", "ok", f"exited 0 after {d:.1f} s ({_peak_phrase(r)})",
+                       evidence=ev + _memory_evidence(r), data=data)
+    confirmed, oom_ev = _oom_evidence(r)
+    data["oom_killer"] = confirmed
+    ev += _memory_evidence(r)
+    if r.signal is not None or confirmed:  # "no OOM line" is noise for a plain `exit 1`
+        ev += oom_ev
+    if r.signal is None:
+        if confirmed:
+            return Finding("process.exit", "fail",
+                           f"exited with code {r.exit_code} after {d:.1f} s: the kernel's OOM killer killed a "
+                           f"process of it ({_peak_phrase(r)})", evidence=ev, fix=list(MEMORY_FIXES), data=data)
+        if r.forwarded:
+            return Finding("process.exit", "info", f"exited with code {r.exit_code} after {d:.1f} s, after "
+                           f"torchdoctor forwarded {r.forwarded[-1][1]} to it", evidence=ev, data=data)
+        return Finding("process.exit", "warn", f"exited with code {r.exit_code} after {d:.1f} s",
+                       evidence=ev, fix=["read the command's last error above (or in --log)"], data=data)
+    name = r.signal_name
+    if r.killed_by_us:
+        return Finding("process.exit", "info", f"killed by SIGKILL after {d:.1f} s (sent by torchdoctor after the "
+                       "third Ctrl-C)", evidence=ev, data=data)
+    if any(n == name for _, n in r.forwarded):
+        return Finding("process.exit", "info", f"ended by {name} after {d:.1f} s (forwarded by torchdoctor)",
+                       evidence=ev, data=data)
+    if r.signal == signal.SIGKILL:
+        if confirmed:
+            title = f"killed by the kernel's OOM killer (SIGKILL) after {d:.1f} s: {_peak_phrase(r)}"
+        elif confirmed is False:
+            title = (f"killed by SIGKILL after {d:.1f} s: {_peak_phrase(r)} -- no OOM-killer entry in the kernel "
+                     "log: a scheduler limit or `kill -9` is likelier")
+        else:
+            title = (f"killed by SIGKILL after {d:.1f} s: {_peak_phrase(r)} -- the kernel's OOM killer is the "
+                     "usual cause")
+        if confirmed is not False:
+            ev.append("a process killed while starting up with no traceback has usually run out of CPU RAM, the "
+                      "machine's or its cgroup's (the kernel kills it; Python cannot print anything)")
+        total, _ = _ram(r)
+        if total and r.min_available is not None and r.min_available > 0.2 * total and not confirmed:
+            ev.append(f"MemAvailable never fell below {fmt_bytes(r.min_available)} in the samples: a spike "
+                      f"shorter than {r.interval:g} s, or something else sent SIGKILL")
+        fix = list(MEMORY_FIXES)
+        if r.kernel is not None and r.kernel.memcg:
+            fix.insert(0, "Raise the job's memory limit: Slurm --mem / --mem-per-gpu, docker run --memory, "
+                          "Kubernetes resources.limits.memory")
+        if confirmed is not True:
+            sched = ("check the job scheduler's record (Slurm: sacct -j JOBID -o State,ExitCode,MaxRSS,ReqMem,"
+                     "Timelimit) and who else could `kill -9` it")
+            fix = [sched, *fix] if confirmed is False else [*fix, "if it was not memory: " + sched]
+        return Finding("process.exit", "fail", title, evidence=ev, fix=fix, data=data)
+    fix = ["read the command's last output above (or in --log); run it under `python -X faulthandler` for a "
+           "native stack trace"] if r.signal in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL) else []
+    if confirmed:
+        fix += MEMORY_FIXES
+    return Finding("process.exit", "fail", f"killed by {name} after {d:.1f} s ({_peak_phrase(r)})",
+                   evidence=ev, fix=fix, data=data)
+
+
+def memory_finding(r: RunResult) -> Finding | None:
+    """``process.memory``: host RAM nearly exhausted during a run that the exit finding does not blame on it."""
+    if r.signal == signal.SIGKILL and not r.killed_by_us:
+        return None  # process.exit already says it
+    total, what = _ram(r)
+    low_avail = (r.min_available is not None and r.mem_total and r.min_available < 0.1 * r.mem_total)
+    near_limit = what == "cgroup limit" and total and r.peak_rss > 0.9 * total
+    if not (low_avail or near_limit):
+        return None
+    title = (f"host memory nearly exhausted: MemAvailable fell to {fmt_bytes(r.min_available)} of "
+             f"{fmt_bytes(r.mem_total)}" if low_avail else f"the process tree came within 10% of its {what}")
+    return Finding("process.memory", "warn", f"{title} ({_peak_phrase(r)})", evidence=_memory_evidence(r),
+                   fix=list(MEMORY_FIXES), data={"peak_rss_bytes": r.peak_rss, "min_available_bytes": r.min_available,
+                                                 "limit_bytes": total})
+
+
+__all__ = ["RunResult", "WrapError", "run_command", "exit_finding", "memory_finding", "read_kernel_oom",
+           "process_tree", "vm_rss", "read_meminfo", "cgroup_memory", "fmt_bytes", "cmdline"]

@@ -1,0 +1,130 @@
+"""``torchdoctor run [--log FILE] [--json FILE] [--interval S] -- CMD ...``: run a command, explain how it ended.
+
+The command's stdout and stderr pass through unchanged (its stdout stays clean for pipes), so
+everything torchdoctor itself says goes to **stderr**, after the command has ended: the log findings
+(loss-scale overflow, nan loss, NCCL errors, ...) and a ``process.exit`` finding -- for a command SIGKILLed
+at start-up with no traceback, the peak RSS of its process tree against the machine's RAM and the
+kernel's OOM-killer line where readable.
+
+``--json FILE`` writes the machine-readable report to FILE (``-``: to stdout, after the command's output
+has ended): ``{"command", "pid", "exit_code", "signal", "duration_s", "peak_rss_gib", "peak_rss_at_s",
+"min_available_gib", "min_available_at_s", "mem_total_gib", "cgroup_limit_gib", "interval_s",
+"findings", "timeline", "memory"}``. A file, not stdout, by default because stdout carries the command's
+own output; the text findings on stderr are printed either way.
+
+How the command runs: in its own process group (SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to torchdoctor are
+forwarded to that whole group, so torchrun and its workers get one Ctrl-C; a third Ctrl-C sends SIGKILL), with
+``PYTHONUNBUFFERED=1`` unless set (its stdout is a pipe now, and Python would otherwise hold prints back), and
+with no stdin when torchdoctor's stdin is a terminal (a background process group reading the terminal would be
+stopped by the kernel: an interactive ``pdb`` needs the command run directly). Its output is passed on chunk by
+chunk as it arrives (a ``\r`` progress bar is not held back until a newline).
+
+Exit status: the command's own (128 + N when signal N killed it), 127 when it is not found, 126 when it
+cannot be executed, 2 for bad usage (no command, an unwritable --log or --json file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+
+EXIT_USAGE, EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND = 2, 126, 127
+USAGE = "torchdoctor run [--log FILE] [--json FILE] [--interval S] -- CMD [ARG ...]"
+
+
+def _interval(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(v) and v >= 0.01):
+        raise argparse.ArgumentTypeError(f"must be at least 0.01 seconds, got {text!r}")
+    return v
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.usage = USAGE
+    parser.add_argument("--log", metavar="FILE", default=None,
+                        help="also append everything the command writes (stdout and stderr) to FILE")
+    parser.add_argument("--json", metavar="FILE", default=None,
+                        help="write the report as one JSON object to FILE ('-': stdout, after the command's output)")
+    parser.add_argument("--interval", metavar="S", type=_interval, default=0.5,
+                        help="seconds between samples of the process tree's RSS and MemAvailable (default 0.5)")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD",
+                        help="the command to run, after `--` (e.g. -- deepspeed train.py --deepspeed ds.json)")
+
+
+def _say(msg: str) -> None:
+    print(f"torchdoctor run: {msg}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..findings import render_text
+    from .wrap import WrapError, cmdline, run_command
+
+    cmd = list(args.cmd or [])
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        _say(f"no command given\nusage: {USAGE}")
+        return EXIT_USAGE
+    interval = getattr(args, "interval", 0.5)
+    if not (isinstance(interval, (int, float)) and math.isfinite(interval) and interval >= 0.01):
+        _say(f"--interval must be at least 0.01 seconds, got {interval!r}")
+        return EXIT_USAGE
+    json_path = getattr(args, "json", None)
+    if json_path and json_path != "-" and os.sep not in json_path and not json_path.endswith(".json") \
+            and shutil.which(json_path):
+        # `torchdoctor run --json python train.py` would silently take `python` as the report file
+        _say(f"--json takes a FILE, and {json_path!r} is a program; write e.g. --json report.json -- {json_path} ...")
+        return EXIT_USAGE
+
+    log_file = json_file = None
+    try:
+        if args.log:
+            try:
+                log_file = open(args.log, "ab", buffering=0)  # noqa: SIM115 -- closed in finally
+            except OSError as e:
+                _say(f"cannot write --log {args.log}: {e.strerror or e}")
+                return EXIT_USAGE
+        if json_path and json_path != "-":
+            try:  # fail before the run, not after hours of it
+                json_file = open(json_path, "w")  # noqa: SIM115
+            except OSError as e:
+                _say(f"cannot write --json {json_path}: {e.strerror or e}")
+                return EXIT_USAGE
+        try:
+            result = run_command(cmd, log_file=log_file, interval=interval)
+        except WrapError as e:
+            _say(str(e))
+            return e.exit_code
+
+        shown = [f for f in result.findings if f.severity != "skip"]
+        print(f"\n--- torchdoctor run: {cmdline(cmd)} ---", file=sys.stderr)
+        print(render_text(shown), file=sys.stderr)
+        if args.log:
+            print(f"(output saved in {args.log})", file=sys.stderr)
+        if json_path:
+            sys.stderr.flush()
+            text = json.dumps(result.to_json(), indent=1)
+            if json_file is not None:
+                json_file.write(text + "\n")
+                print(f"(report written to {json_path})", file=sys.stderr)
+            else:
+                print(text, flush=True)
+        return result.exit_code
+    finally:
+        for f in (log_file, json_file):
+            if f is not None:
+                f.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point (``python -c 'from torchdoctor.logs.wrap_run import main; main()'``)."""
+    parser = argparse.ArgumentParser(prog="torchdoctor run", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,543 @@
+"""``torchdoctor logs``: the analyzer on real DeepSpeed output, on real-looking logs of every family, and the CLI.
+
+The fp16 loss-scale logs are produced by DeepSpeed itself (tests/fixtures/logs/drive_ds_scaler.py drives its real
+loss scalers into collapse in a subprocess); the other families are short logs in tests/fixtures/logs/ written
+with the exact messages of the code that prints them (see torchdoctor.logs.patterns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import re
+import socket
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torchdoctor.logs import analyze as A
+from torchdoctor.logs import logs_run
+from torchdoctor.logs.analyze import Analyzer, analyze_lines, analyze_stream, open_log
+
+FIX = Path(__file__).parent / "fixtures" / "logs"
+
+
+def by_id(report) -> dict:
+    out = {}
+    for f in report.findings:
+        assert f.id not in out, f"duplicate finding {f.id}"
+        out[f.id] = f
+    return out
+
+
+def fixture_report(name: str):
+    with open(FIX / name, "rb") as f:
+        return analyze_stream(f)
+
+
+def first_line_no(text: str, needle: str) -> int:
+    return next(i for i, line in enumerate(text.split("\n"), 1) if needle in line)
+
+
+def cli(*argv: str) -> int:
+    p = argparse.ArgumentParser()
+    logs_run.add_arguments(p)
+    return logs_run.run(p.parse_args(list(argv)))
+
+
+# ----------------------------------------------------------------------------- DeepSpeed's real loss scalers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ds_logs() -> dict[str, str]:
+    """Output of DeepSpeed's scalers (one subprocess, stdout+stderr as `2>&1 | tee` would keep them)."""
+    proc = subprocess.run([sys.executable, str(FIX / "drive_ds_scaler.py"), str(_free_port()), "fused", "recover",
+                           "collapse"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    parts = re.split(r"^=== scenario (\w+)\n", proc.stdout, flags=re.M)
+    logs = dict(zip(parts[1::2], parts[2::2]))
+    assert set(logs) == {"fused", "recover", "collapse"}, proc.stdout
+    return logs
+
+
+def test_real_dynamic_loss_scaler_collapse_is_a_fail_with_its_history(ds_logs):
+    text = ds_logs["collapse"]
+    assert "[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 65536, but hysteresis is 2" in text
+    assert "Current loss scale already at minimum - cannot decrease scale anymore. Exiting run." in text
+    report = analyze_lines(text.splitlines())
+    f = by_id(report)["fp16.loss-scale-collapse"]
+    assert f.severity == "fail"
+    n_overflow = text.count("OVERFLOW!")
+    d = f.data
+    assert d["min_scale_reached"] is True
+    assert d["skipped_steps"] == n_overflow == 17
+    assert d["total_steps"] == 17
+    assert d["first_overflow_step"] is None  # it comes before DeepSpeed's first step line
+    assert d["first_overflow_line"] == first_line_no(text, "OVERFLOW!")
+    hist = d["scale_history"]
+    assert hist[0] == {"scale": 65536, "overflows": 2, "line": first_line_no(text, "OVERFLOW!"),
+                       "step": d["first_overflow_step"]}  # the hysteresis step, then the halving
+    assert [h["scale"] for h in hist] == [2**k for k in range(16, 0, -1)]
+    assert d["scale_last"] == 1 and d["hysteresis_overflows"] == 1
+    assert "the run stopped" in f.title
+    assert any('"initial_scale_power": 32' in x for x in f.fix)
+    assert any("bf16" in x for x in f.fix) and any("NumericsMonitor" in x for x in f.fix)
+    events = [e["event"] for e in report.timeline]
+    assert events.count("overflow") == 17 and events[-1] == "scale-min"
+    assert report.timeline[-1]["line"] == first_line_no(text, "Exception: Current loss scale already at minimum")
+
+
+def test_real_fused_optimizer_sitting_at_min_scale_is_a_fail(ds_logs):
+    text = ds_logs["fused"]
+    assert "Reducing dynamic loss scale from 1 to 1" in text
+    report = analyze_stream(io.BytesIO(text.encode()))
+    d = by_id(report)["fp16.loss-scale-collapse"].data
+    assert d["min_scale_reached"] is True
+    assert d["first_overflow_step"] == 0 and d["skipped_steps"] == 24 and d["total_steps"] == 24
+    assert d["scale_history"][-1]["scale"] == 1 and d["scale_history"][-1]["overflows"] == 24 - 16
+
+
+def test_real_scaler_that_recovers_is_info_and_the_log_is_clean(ds_logs):
+    report = analyze_lines(ds_logs["recover"].splitlines())
+    f = by_id(report)
+    assert set(f) == {"fp16.overflow", "logs.clean"}
+    assert f["fp16.overflow"].severity == "info" and f["logs.clean"].severity == "ok"
+    d = f["fp16.overflow"].data
+    assert d["skipped_steps"] == 7 and d["min_scale_reached"] is False and d["scale_increases"] >= 1
+
+
+# ------------------------------------------------------------------------------------------ fixture families
+def test_legacy_deepscale_collapse_from_the_guide_with_tqdm_carriage_returns():
+    report = fixture_report("ds_legacy_collapse.log")
+    f = by_id(report)["fp16.loss-scale-collapse"]
+    assert f.severity == "fail"
+    assert f.data["skipped_steps"] == 31 and f.data["planned_steps"] == 189 and f.data["total_steps"] == 31
+    assert f.data["first_overflow_step"] == 0 and f.data["first_overflow_line"] == 9
+    assert f.data["scale_history"][-1] == {"scale": 1, "overflows": 12, "line": 47, "step": 19}
+    assert report.lines == 70
+
+
+def test_hf_trainer_nan_loss_names_the_step_line_and_epoch():
+    report = fixture_report("hf_trainer_nan.log")
+    f = by_id(report)["loss.nonfinite"]
+    assert f.severity == "fail"
+    assert (f.data["first_step"], f.data["first_line"], f.data["first_epoch"]) == (50, 13, 0.2)
+    assert f.data["count"] == 2 and f.data["recovered"] is False
+    assert "grad.nonfinite" not in by_id(report)  # the nan grad_norm is on the nan-loss lines
+    assert any("bf16" in x for x in f.fix)
+
+
+@pytest.mark.parametrize("line,value", [
+    ("{'loss': 'nan', 'grad_norm': 'nan', 'learning_rate': '5e-05', 'epoch': '0.1'}", "nan"),  # transformers 5
+    ("{'loss': inf, 'grad_norm': 1.2, 'learning_rate': 5e-05, 'epoch': 0.1}", "inf"),
+    ('{"loss": -Infinity, "epoch": 0.1}', "-Infinity"),
+    (" 41%|████  | 410/1000 [01:12<01:43,  5.70it/s, loss=nan, v_num=3]", "nan"),
+    ("step 12 | loss: NaN | lr 1e-4", "NaN"),
+    ("train_loss = tensor(nan, device='cuda:0')", "tensor(nan"),
+])
+def test_nonfinite_loss_forms(line, value):
+    report = analyze_lines([line])
+    f = by_id(report)["loss.nonfinite"]
+    assert f.severity == "fail" and value in f.evidence[0]
+
+
+@pytest.mark.parametrize("line", [
+    "{'loss': '2.315', 'grad_norm': '1.204', 'learning_rate': '4.95e-05', 'epoch': '0.01'}",
+    "loss_scale: inf is not a loss", "Loss scale: inf", "{'eval_loss': 'info'}", "loss_type=inference",
+])
+def test_finite_or_unrelated_loss_text_is_clean(line):
+    assert [f.id for f in analyze_lines([line]).findings] == ["logs.clean"]
+
+
+def test_nan_loss_that_recovers_is_a_warning():
+    report = analyze_lines(["{'loss': nan, 'epoch': 0.1}", "noise", "{'loss': 2.31, 'epoch': 0.2}"])
+    f = by_id(report)["loss.nonfinite"]
+    assert f.severity == "warn" and f.data["recovered"] is True
+
+
+def test_jsonl_metrics_and_lightning_bar():
+    j = by_id(fixture_report("metrics_jsonl_nan.log"))
+    assert j["loss.nonfinite"].data["first_step"] == 300
+    assert j["grad.nonfinite"].severity == "info" and j["grad.nonfinite"].data["nonfinite_grad_norms"] == 1
+    lt = by_id(fixture_report("lightning_tqdm_nan.log"))["loss.nonfinite"]
+    assert (lt.data["first_step"], lt.data["first_line"]) == (410, 4)
+
+
+def test_nccl_watchdog_timeout_deduplicated_and_the_abort_explained():
+    report = fixture_report("nccl_timeout.log")
+    f = by_id(report)
+    t = f["comm.nccl-timeout"]
+    assert t.severity == "fail"
+    assert t.data["count"] == 1 and t.data["ranks"] == [1]  # told three times by rank 1
+    x = t.data["timeouts"][0]
+    assert (x["op"], x["seq"], x["timeout_ms"], x["ran_ms"], x["line"], x["step"]) == (
+        "ALLREDUCE", 2417, 600000, 600047, 5, 120)
+    assert any(fx.startswith("torchdoctor comm") for fx in t.fix)
+    k = f["process.killed"]
+    assert k.severity == "warn" and "SIGABRT" in k.title
+    assert len(k.data["kills"]) == 1  # failed (exitcode) + the summary block + Signal 6: one process
+    assert (k.data["kills"][0]["pid"], k.data["kills"][0]["rank"], k.data["kills"][0]["host"]) == (
+        3126, 1, "gpu-node-03")
+
+
+def test_nccl_error_and_its_system_error_code():
+    f = by_id(fixture_report("nccl_error.log"))["comm.nccl-error"]
+    assert f.severity == "fail" and "unhandled system error" in f.title
+    kinds = {e["kind"] for e in f.data["errors"]}
+    assert kinds == {"NCCL error", "ncclSystemError"}
+    assert f.data["errors"][0]["rank"] == 0 and f.data["warnings"] == 1
+    assert any("NCCL_SOCKET_IFNAME" in x for x in f.fix)
+
+
+def test_cuda_oom_details_and_the_fragmentation_fix():
+    f = by_id(fixture_report("cuda_oom.log"))
+    o = f["memory.cuda-oom"]
+    e = o.data["events"][0]
+    assert (e["tried_to_allocate"], e["gpu"], e["total_capacity"], e["free"], e["reserved_unallocated"]) == (
+        "3.00 GiB", 0, "79.10 GiB", "1.94 GiB", "4.66 GiB")
+    assert o.data["max_cached_gb"] == 32.0
+    assert any("expandable_segments:True" in x for x in o.fix) and any("torchdoctor ds memory" in x for x in o.fix)
+    assert f["process.exit-code"].severity == "warn" and f["process.exit-code"].data["exits"][0]["code"] == 1
+
+
+def test_deepspeed_launcher_minus_9_is_host_oom():
+    f = by_id(fixture_report("ds_launcher_killed.log"))["process.killed"]
+    assert f.severity == "fail" and "SIGKILL" in f.title and "OOM" in f.title and "89.2%" in f.title
+    assert f.data["kills"][0]["rank"] == 3 and f.data["cpu_memory_percent_max"] == 89.2
+    assert any("torchdoctor ds memory" in x for x in f.fix) and any("dmesg -T | grep -i oom" in x for x in f.fix)
+
+
+def test_torchrun_sigkill_block_is_one_kill_with_host_and_rank():
+    report = fixture_report("torchrun_sigkill.log")
+    f = by_id(report)["process.killed"]
+    assert f.severity == "fail" and f.title.startswith("rank 0 (pid 48212) on gpu-node-07 was killed by SIGKILL")
+    assert len(f.data["kills"]) == 1
+    assert report.event_counts == {"sigterm-sent": 1, "killed": 1}
+
+
+@pytest.mark.parametrize("line,code,signame", [
+    ("torch.multiprocessing.spawn.ProcessExitedException: process 1 terminated with signal SIGKILL", -9, "SIGKILL"),
+    ("./train.sh: line 12: 48211 Killed                  python train.py", -9, "SIGKILL"),
+    ("Killed", -9, "SIGKILL"),
+    ("subprocess.CalledProcessError: Command '['python', 'train.py']' died with <Signals.SIGSEGV: 11>.", -11,
+     "SIGSEGV"),
+    ("[2026-01-01 00:00:00,000] [ERROR] [launch.py:325:sigkill_handler] ['python'] exits with return code = 137", 137,
+     "SIGKILL"),
+])
+def test_other_launchers_kills(line, code, signame):
+    k = by_id(analyze_lines([line]))["process.killed"].data["kills"][0]
+    assert (k["code"], k["signal"]) == (code, signame)
+
+
+def test_dmesg_oom_killer_line_alone_is_a_host_oom_kill():
+    f = by_id(analyze_lines(["[Mon Mar  2 10:15:41 2026] Out of memory: Killed process 48212 (python3) "
+                             "total-vm:412345678kB, anon-rss:398765432kB"]))["process.killed"]
+    assert f.severity == "fail" and f.data["host_oom"] is True
+
+
+def test_build_cuda_mismatch_and_compiler_fixtures():
+    m = by_id(fixture_report("build_cuda_mismatch.log"))["build.cuda-mismatch"]
+    assert m.severity == "fail" and m.data["mismatches"][0]["system"] == "12.4"
+    assert m.data["mismatches"][0]["torch"] == "11.8" and any("torchdoctor env" in x for x in m.fix)
+    c = by_id(fixture_report("build_gcc.log"))["build.compiler"]
+    assert c.severity == "fail" and "fused_adam" in c.title and "newer" in c.title
+    assert any("CC=gcc-12 CXX=g++-12" in x for x in c.fix)
+    assert [d["kind"] for d in c.data["errors"]] == ["gcc-too-new", "ninja", "extension"]
+
+
+@pytest.mark.parametrize("line,fid,sev", [
+    ("Installed CUDA version 12.1 does not match the version torch was compiled with 12.4 but since the APIs are "
+     "compatible, accepting this combination", "build.cuda-mismatch", "info"),
+    ("[WARNING] DeepSpeed Op Builder: Installed CUDA version 12.8 does not match the version torch was compiled with "
+     "11.8.Detected `DS_SKIP_CUDA_CHECK=1`: Allowing this combination of CUDA, but it may result in unexpected "
+     "behavior.", "build.cuda-mismatch", "warn"),
+    ("RuntimeError: The detected CUDA version (12.6) mismatches the version that was used to compilePyTorch (11.8). "
+     "Please make sure to use the same CUDA versions.", "build.cuda-mismatch", "fail"),
+    ("deepspeed.ops.op_builder.builder.MissingCUDAException: CUDA_HOME does not exist, unable to compile CUDA op(s)",
+     "build.cuda-home", "fail"),
+    ("nvcc fatal   : Unsupported gpu architecture 'compute_90'", "build.compiler", "fail"),
+    ("RuntimeError: The current installed version of g++ (13.2.0) is greater than the maximum required version by "
+     "CUDA 12.1. Please make sure to use an adequate version of g++ (>=6.0.0, <13.0).", "build.compiler", "fail"),
+    ("RuntimeError: Unable to JIT load the fused_adam op due to ninja not being installed.", "build.compiler", "fail"),
+    ("AssertionError: bfloat16 and fp16 modes cannot be simultaneously enabled", "ds.config-error", "fail"),
+])
+def test_build_and_config_lines(line, fid, sev):
+    assert by_id(analyze_lines([line]))[fid].severity == sev
+
+
+def test_ds_batch_assertion_says_the_right_value():
+    f = by_id(fixture_report("ds_config_batch.log"))["ds.config-error"]
+    assert '"train_batch_size": 16' in f.fix[0]
+
+
+def test_clean_run_with_one_recovered_overflow_exits_0(capsys):
+    report = fixture_report("clean_run.log")
+    assert {f.id: f.severity for f in report.findings} == {"fp16.overflow": "info", "logs.clean": "ok"}
+    assert cli(str(FIX / "clean_run.log")) == 0
+    assert "[OK] no failure signatures in 17 lines  (logs.clean)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("line,event", [
+    ("[2026-01-01 00:00:00,000] [INFO] [loss_scaler.py:266:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step. "
+     "Attempted loss scale: 1024, reducing to 512", "overflow"),
+    ("[deepspeed] OVERFLOW! Skipping step. Gradients are non-finite, weights were not updated.", "overflow-unscaled"),
+    ("[deepspeed] OVERFLOW! Rank 0 Skipping step.", "overflow-unscaled"),
+    ("Overflow detected. Skipping step. Attempted loss scale: 4096, reducing to 2048", "overflow"),
+    ("[deepspeed] fp16 dynamic loss scale overflow! Skipping step. Attempted loss scale: 8.0, reducing to 4.0",
+     "overflow"),
+    ("Grad overflow on iteration: 7", "overflow"),
+    ("Increasing dynamic loss scale from 1024.0 to 2048.0", "scale-up"),
+    ("Exception: Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.", "scale-min"),
+    ("[rank0]:[E1218 20:27:21.426 ProcessGroupNCCL.cpp:1234] [PG ID 0 PG GUID 0(default_pg) Rank 3] Heartbeat "
+     "monitor timed out! Process will be terminated after dumping debug info.", "nccl-heartbeat-timeout"),
+    ("RuntimeError: NCCL communicator was aborted on rank 2.", "nccl-error"),
+    ("ncclInternalError: Internal check failed.", "nccl-error"),
+    ("node1:1:2 [0] transport/net_ib.cc:1295 NCCL WARN NET/IB : Got completion from peer with error 12", "nccl-warn"),
+    ("RuntimeError: CUDA error: out of memory", "cuda-oom"),
+    ("slurmstepd: error: Detected 1 oom-kill event(s) in StepId=4242.0. Some of your processes may have been killed "
+     "by the cgroup out-of-memory handler.", "host-oom"),
+    ("slurmstepd: error: *** STEP 4242.0 ON gpu-node-01 CANCELLED AT 2026-03-02T10:00:00 DUE TO TIME LIMIT ***",
+     "cancelled"),
+    ("  143 | #error -- unsupported GNU version! gcc versions later than 13 are not supported!", "compiler-error"),
+])
+def test_each_line_family_makes_its_event(line, event):
+    assert event in analyze_lines([line]).event_counts
+
+
+def test_static_scale_and_bf16_overflows_are_nonfinite_gradients():
+    lines = ["Grad overflow on iteration 3", "Using static loss scale of: 128.0"] + [
+        "[deepspeed] OVERFLOW! Skipping step. Gradients are non-finite, weights were not updated."] * 3
+    f = by_id(analyze_lines(lines))["grad.nonfinite"]
+    assert f.severity == "warn" and f.data["static_scale_overflows"] == 1 and f.data["unscaled_overflows"] == 3
+    assert '"loss_scale": 0' in f.fix[0]
+
+
+def test_many_skipped_steps_without_reaching_the_minimum_is_a_warning():
+    lines = [f"[Rank 0] step={n}, skipped={n // 4}, lr=[1e-05], mom=[(0.9, 0.999)]" for n in range(10, 101, 10)]
+    f = by_id(analyze_lines(lines))["fp16.loss-scale-collapse"]
+    assert f.severity == "warn" and f.data["skipped_steps"] == 25 and f.data["total_steps"] == 100
+
+
+# ------------------------------------------------------------------------------------------- input handling
+def _ansi(text: str) -> str:
+    """Colour it the way rich/coloredlogs do: levels, numbers, whole lines."""
+    text = re.sub(r"\[(INFO|ERROR|WARNING)\]", lambda m: f"\x1b[1;32m[{m.group(1)}]\x1b[0m", text)
+    text = re.sub(r"(?<=: )(\d+)", lambda m: f"\x1b[1;36m{m.group(1)}\x1b[0m", text)
+    return "\n".join(f"\x1b[31m{line}\x1b[0m" if line else line for line in text.split("\n"))
+
+
+@pytest.mark.parametrize("name", ["ds_legacy_collapse.log", "nccl_timeout.log", "cuda_oom.log", "hf_trainer_nan.log"])
+def test_ansi_colours_change_nothing(name):
+    text = (FIX / name).read_text()
+    coloured = _ansi(text)
+    assert coloured.count("\x1b[") > 2 * text.count("\n")
+    plain, colour = analyze_lines(text.split("\n")[:-1]), analyze_lines(coloured.split("\n")[:-1])
+    assert colour.to_json() == plain.to_json()
+    assert any(f.severity == "fail" for f in colour.findings)
+
+
+def test_ds_prefix_and_ansi_on_the_current_overflow_line():
+    line = ("\x1b[32m[2026-03-02 10:00:00,123] [INFO] [loss_scaler.py:266:update_scale]\x1b[0m [deepspeed] "
+            "OVERFLOW! Rank 0 Skipping step. Attempted loss scale: \x1b[1m2\x1b[0m, reducing to \x1b[1m1\x1b[0m")
+    f = by_id(analyze_lines([line]))["fp16.loss-scale-collapse"]
+    assert f.data["scale_history"] == [{"scale": 2, "overflows": 1, "line": 1, "step": None}]
+
+
+def test_gzip_input_and_gzip_detected_by_content(tmp_path, capsys):
+    raw = (FIX / "nccl_timeout.log").read_bytes()
+    gz = tmp_path / "train.log.gz"
+    gz.write_bytes(gzip.compress(raw))
+    disguised = tmp_path / "train.log"
+    disguised.write_bytes(gzip.compress(raw))
+    assert cli(str(FIX / "nccl_timeout.log")) == 1
+    plain_out = capsys.readouterr().out
+    assert cli(str(gz)) == 1
+    assert capsys.readouterr().out.replace(str(gz), "X") == plain_out.replace(str(FIX / "nccl_timeout.log"), "X")
+    with open_log(str(disguised)) as f:
+        assert by_id(analyze_stream(f))["comm.nccl-timeout"].severity == "fail"
+
+
+def test_stdin(monkeypatch, capsys):
+    data = (FIX / "hf_trainer_nan.log").read_bytes()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    assert cli("-", "--json") == 1
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"findings", "timeline", "lines", "timeline_dropped", "event_counts"}
+    assert out["lines"] == 15 and out["findings"][0]["id"] == "loss.nonfinite"
+    assert out["timeline"][0] == {"line": 13, "step": 50, "event": "loss-nonfinite",
+                                  "text": "{'loss': nan, 'grad_norm': nan, 'learning_rate': 4.95e-05, 'epoch': 0.20}"}
+
+
+def test_cli_unreadable_files_exit_2_with_a_clear_message(tmp_path, capsys):
+    assert cli(str(tmp_path / "missing.log")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"torchdoctor logs: cannot read {tmp_path / 'missing.log'}: No such file or directory")
+    for n, blob in enumerate((gzip.compress(bytes(range(256)) * 40)[:200], b"\x1f\x8b\x08 not gzip at all")):
+        bad = tmp_path / f"bad{n}.gz"
+        bad.write_bytes(blob)
+        assert cli(str(bad)) == 2
+        assert f"cannot read {bad}: " in capsys.readouterr().err
+    assert cli(str(tmp_path)) == 2  # a directory
+    capsys.readouterr()
+    assert cli(str(tmp_path / "missing.log"), str(FIX / "cuda_oom.log")) == 2  # the readable one is still reported
+    captured = capsys.readouterr()
+    assert "cannot read" in captured.err and "[FAIL] CUDA out of memory" in captured.out
+
+
+def test_cli_condenses_the_timeline_and_json_for_several_files(capsys):
+    assert cli(str(FIX / "ds_legacy_collapse.log")) == 1
+    out = capsys.readouterr().out
+    assert "... 29 more overflow (lines 11-67, steps 1-29)" in out
+    assert out.count("overflow  ") == 2  # first and last of the run
+    assert "[FAIL] fp16 loss scale collapsed" in out
+    assert cli(str(FIX / "clean_run.log"), str(FIX / "cuda_oom.log"), "--json") == 1
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert [x["file"] for x in files] == [str(FIX / "clean_run.log"), str(FIX / "cuda_oom.log")]
+    assert files[1]["findings"][0]["id"] == "memory.cuda-oom"
+
+
+def test_a_huge_line_of_carriage_returns_is_read_in_bounded_pieces():
+    bars = "".join(f"\r{n * 100 // 90000:3d}%|     | {n}/90000 [00:01<00:09,  9.99it/s]" for n in range(1, 90001))
+    data = (bars + "\r 100%|#| 90000/90000 [00:09<00:00,  9.99it/s, loss=nan]\n{'loss': 2.0}").encode()
+    assert len(data) > 3 * A.MAX_LINE
+    report = analyze_stream(io.BytesIO(data))
+    f = by_id(report)["loss.nonfinite"]
+    assert (f.data["first_line"], f.data["first_step"], f.data["recovered"]) == (1, 90000, True)
+    assert report.lines == 2
+
+
+def test_empty_log_is_reported_as_empty(tmp_path, capsys):
+    p = tmp_path / "empty.log"
+    p.write_bytes(b"")
+    assert cli(str(p)) == 0
+    assert "the log is empty (0 lines)  (logs.empty)" in capsys.readouterr().out
+
+
+def test_feed_line_with_or_without_newline_and_feed_bytes_agree():
+    lines = (FIX / "nccl_timeout.log").read_text().splitlines()
+    a, b, c = Analyzer(), Analyzer(), Analyzer()
+    for line in lines:
+        a.feed_line(line)
+        b.feed_line(line + "\n")
+    data = (FIX / "nccl_timeout.log").read_bytes()
+    for i in range(0, len(data), 7):
+        c.feed_bytes(data[i:i + 7])
+    ra, rb, rc = a.finish(), b.finish(), c.finish()
+    assert ra.to_json() == rb.to_json() == rc.to_json()
+    assert ra.lines == len(lines)
+
+
+# ------------------------------------------------------------------------------------------------- fuzzing
+_FRAGMENTS = [
+    "[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 4, reducing to 2\n",
+    "[deepscale] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 1, reducing to 1\n",
+    "Grad overflow on iteration 3\n", "Reducing dynamic loss scale from 2.0 to 1.0\n",
+    "Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.\n",
+    "{'loss': nan, 'grad_norm': inf, 'epoch': 0.5}\n", "{'loss': 1.5}\n", "loss=nan",
+    " 12%|█▏  | 120/1000 [04:01<29:31,  2.01it/s]\r", " 13%|█▎  | 130/1000 [04:21<29:11,  2.01it/s]\n",
+    "[Rank 0] step=40, skipped=3, lr=[1e-5], mom=[(0.9, 0.999)]\n",
+    "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, NumelIn=1, "
+    "NumelOut=1, Timeout(ms)=600000) ran for 600001 milliseconds before timing out.\n",
+    "NCCL error in: x.cpp:1, unhandled system error, NCCL version 2.1\n",
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 8 GiB "
+    "of which 1 GiB is free.\n",
+    "  exitcode  : -9 (pid: 77)\n", "  host      : n1\n", "  rank      : 2 (local_rank: 0)\n",
+    "['python'] exits with return code = -9\n", "Installed CUDA version 12.1 does not match the version torch was "
+    "compiled with 11.8, unable to compile\n", "ninja: build stopped: subcommand failed.\n",
+    "\x1b[31m", "\x1b[0m", "\r", "\n", "\r\n", "é", "█", "\ufffd", "\x00", " ", "nan", "OVERFLOW", "exitcode",
+]
+_texts = st.lists(st.one_of(st.sampled_from(_FRAGMENTS), st.text(max_size=20)), max_size=40).map("".join)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=_texts)
+def test_fuzz_feed_line_never_raises_and_counts_lines(text):
+    a = Analyzer()
+    for line in text.split("\n"):
+        a.feed_line(line)
+    report = a.finish()
+    assert report.lines == len(text.split("\n"))
+    assert not [f for f in report.findings if f.id == "logs.analyzer-error"]
+    json.dumps(report.to_json())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.one_of(st.binary(max_size=400), _texts.map(lambda t: t.encode("utf-8", "surrogatepass"))),
+       chunk=st.integers(1, 64))
+def test_fuzz_analyze_stream_on_bytes_is_chunking_independent(data, chunk):
+    whole = analyze_stream(io.BytesIO(data), chunk_size=1 << 20)
+    pieces = analyze_stream(io.BytesIO(data), chunk_size=chunk)
+    assert pieces.to_json() == whole.to_json()
+    assert whole.lines == data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
+    lines = Analyzer()
+    for line in data.split(b"\n")[: -1 if data.endswith(b"\n") else None] if data else []:
+        lines.feed_line(line.decode("utf-8", "replace"))
+    assert lines.finish().to_json() == whole.to_json()
+    assert not [f for f in whole.findings if f.id == "logs.analyzer-error"]
+
+
+# --------------------------------------------------------------------------------------------- bounded memory
+class _Generated(io.RawIOBase):
+    """A long log produced on the fly (never held whole): one event of every kind, all distinct, per 28 lines."""
+
+    def __init__(self, n_lines: int) -> None:
+        self.n, self.i, self.buf, self.size, self.overflows = n_lines, 0, b"", 0, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        while len(self.buf) < size and self.i < self.n:
+            i = self.i
+            rows = [
+                f"[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: {2 ** (i % 17 + 1)}, "
+                f"reducing to {2 ** (i % 17)}",
+                f"{{'loss': nan, 'epoch': {i}}}",
+                f"[Rank {i % 997}] Watchdog caught collective operation timeout: WorkNCCL(SeqNum={i}, OpType=ALLREDUCE"
+                ", NumelIn=1, NumelOut=1, Timeout(ms)=1000) ran for 1001 milliseconds before timing out.",
+                f"failed (exitcode: -9) local_rank: 0 (pid: {i}) of binary: python",
+                f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {i} MiB.",
+                f"/tmp/x{i}.cu(1): error: identifier {i} is undefined",
+                f"NCCL WARN net {i}",
+            ] + [f" 10%|█ | {i + k}/{self.n} [00:01<00:09,  9.99it/s]" for k in range(7)] + [
+                f"{{'loss': '{k}.{i}', 'grad_norm': '0.5', 'learning_rate': '1e-05', 'epoch': '{i}'}}" for k in range(7)
+            ] + [f"[INFO] [config.py:1003:print]   zero_config {'.' * k} {i}" for k in range(7)]
+            rows = rows[: self.n - i]
+            self.overflows += 1
+            self.buf += ("\n".join(rows) + "\n").encode()
+            self.i += len(rows)
+        out, self.buf = self.buf[:size], self.buf[size:]
+        self.size += len(out)
+        return out
+
+
+def test_memory_stays_bounded_over_200k_lines():
+    gen = _Generated(200_000)
+    tracemalloc.start()
+    try:
+        report = analyze_stream(gen, chunk_size=1 << 18)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert report.lines == 200_000 and gen.size > 12_000_000
+    assert len(report.timeline) == A.TIMELINE_HEAD + A.TIMELINE_TAIL and report.timeline_dropped > 40_000
+    f = by_id(report)
+    hist = f["fp16.loss-scale-collapse"].data
+    assert len(hist["scale_history"]) == A.SCALE_RUNS_HEAD + A.SCALE_RUNS_TAIL and hist["scale_history_dropped"] > 0
+    assert hist["skipped_steps"] == gen.overflows
+    assert len(f["comm.nccl-timeout"].data["timeouts"]) <= A.MAX_DETAILS
+    assert len(f["process.killed"].data["kills"]) <= 64
+    assert len(f["memory.cuda-oom"].data["events"]) <= 16 and len(f["build.compiler"].data["errors"]) <= 16
+    assert len(json.dumps(report.to_json())) < 2_000_000
+    assert peak < 8_000_000, peak  # the log is 12+ MB; chunks of 256 KiB and bounded state

@@ -1,0 +1,384 @@
+"""``torchdoctor run``: real child processes, real /proc sampling, real signals.
+
+Most tests drive ``wrap_run.run(args)`` in this process and read fd 1/2 with ``capfdbinary`` (the command's
+bytes go to the file descriptors, torchdoctor's text to ``sys.stderr``); the signal tests start the wrapper
+as its own process so a signal can be sent to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from torchdoctor.logs import wrap, wrap_run
+
+PY = sys.executable
+MIB = 1 << 20
+WRAPPER = [PY, "-c", "import sys; from torchdoctor.logs.wrap_run import main; sys.exit(main())"]
+
+
+def run_wrapper(capfdbinary, *argv: str) -> tuple[int, bytes, str]:
+    parser = argparse.ArgumentParser()
+    wrap_run.add_arguments(parser)
+    rc = wrap_run.run(parser.parse_args(list(argv)))
+    cap = capfdbinary.readouterr()
+    return rc, cap.out, cap.err.decode("utf-8", "replace")
+
+
+def report(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def exit_finding(rep: dict) -> dict:
+    [f] = [f for f in rep["findings"] if f["id"] == "process.exit"]
+    return f
+
+
+def sampled_peak(rep: dict) -> float:
+    """Peak of the sampled tree RSS in bytes (not the kernel's ru_maxrss: this checks the sampler)."""
+    return max(s["rss_gib"] for s in rep["memory"]) * (1 << 30)
+
+
+# ------------------------------------------------------------------------------------- pass-through
+
+CHATTY = r"""
+import sys, time
+out = sys.stdout.buffer
+out.write(b"line one\n"); out.write(b"caf\xc3\xa9 \xff\xfe not utf-8\n")
+out.write(b"\r 10%|#         |\r 50%|#####     |\r100%|##########|\n")
+out.write(b"".join(b"%05d " % i for i in range(20000)))  # 120 kB in several pipe chunks
+out.write(b"no newline at the end"); out.flush()
+time.sleep(0.2)
+sys.stderr.buffer.write(b"warning on stderr\n"); sys.stderr.flush()
+"""
+CHATTY_OUT = (b"line one\ncaf\xc3\xa9 \xff\xfe not utf-8\n\r 10%|#         |\r 50%|#####     |\r100%|##########|\n"
+              + b"".join(b"%05d " % i for i in range(20000)) + b"no newline at the end")
+
+
+def test_output_passes_through_byte_for_byte_and_is_logged(capfdbinary, tmp_path):
+    log = tmp_path / "run.log"
+    log.write_bytes(b"earlier run\n")  # --log appends
+    rc, out, err = run_wrapper(capfdbinary, "--log", str(log), "--", PY, "-c", CHATTY)
+    assert rc == 0
+    assert out == CHATTY_OUT  # stdout untouched: nothing of torchdoctor's own goes there
+    assert err.startswith("warning on stderr\n")
+    assert log.read_bytes() == b"earlier run\n" + CHATTY_OUT + b"warning on stderr\n"
+    assert re.search(r"\[OK\] exited 0 after \d+\.\d s \(peak RSS \d+ MiB of [\d.]+ GiB RAM", err), err
+
+
+def test_exit_code_is_propagated(capfdbinary, tmp_path):
+    rc, out, err = run_wrapper(capfdbinary, "--json", str(tmp_path / "r.json"), "--",
+                               PY, "-c", "import sys; print('bye'); sys.exit(3)")
+    assert rc == 3
+    assert out == b"bye\n"
+    assert "[WARN] exited with code 3 after" in err
+    rep = report(tmp_path / "r.json")
+    assert (rep["exit_code"], rep["signal"]) == (3, None)
+    assert exit_finding(rep)["severity"] == "warn"
+
+
+def test_json_dash_goes_to_stdout_after_the_commands_output(capfdbinary):
+    rc, out, err = run_wrapper(capfdbinary, "--json", "-", PY, "-c", "print('data line')")
+    assert rc == 0
+    assert out.startswith(b"data line\n")
+    rep = json.loads(out[len(b"data line\n"):])
+    assert set(rep) >= {"exit_code", "signal", "peak_rss_gib", "min_available_gib", "duration_s", "findings",
+                        "timeline", "memory"}
+    assert rep["exit_code"] == 0 and exit_finding(rep)["severity"] == "ok"
+    assert rep["peak_rss_gib"] < 0.1  # a `print` child, not our own (pytest's) RSS inherited through fork
+    assert 0 < rep["min_available_gib"] <= rep["mem_total_gib"]
+    assert "\ndata line\n" not in "\n" + err  # the command's output is not copied to stderr
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+HOLD_300MB = "import time; b = bytearray(b'x') * (300 * 1024 * 1024); time.sleep(0.6)"
+
+
+def test_peak_rss_of_a_300mb_child_is_measured(capfdbinary, tmp_path):
+    rc, _, err = run_wrapper(capfdbinary, "--interval", "0.1", "--json", str(tmp_path / "r.json"), "--",
+                             PY, "-c", HOLD_300MB)
+    assert rc == 0
+    rep = report(tmp_path / "r.json")
+    assert sampled_peak(rep) >= 300e6
+    assert rep["peak_rss_gib"] * (1 << 30) >= 300e6
+    assert rep["peak_rss_at_s"] is not None and 0 < rep["peak_rss_at_s"] < rep["duration_s"]
+
+
+def test_grandchild_memory_is_counted_in_the_tree(capfdbinary, tmp_path):
+    # child and grandchild hold ~210 MiB each at the same time: only their sum reaches 400 MiB
+    child = (
+        "import subprocess, sys; a = bytearray(b'x') * (200 * 1024 * 1024); "
+        "subprocess.run([sys.executable, '-c', "
+        "\"import time; b = bytearray(b'y') * (200 * 1024 * 1024); time.sleep(1.0)\"], check=True)"
+    )
+    rc, _, err = run_wrapper(capfdbinary, "--interval", "0.1", "--json", str(tmp_path / "r.json"), "--",
+                             PY, "-c", child)
+    assert rc == 0
+    rep = report(tmp_path / "r.json")
+    assert sampled_peak(rep) >= 400 * MIB, rep["memory"]
+    assert "(2 processes;" in " ".join(exit_finding(rep)["evidence"])
+
+
+def test_sigkill_after_allocating_is_explained(capfdbinary, tmp_path):
+    child = ("import os, time; b = bytearray(b'x') * (300 * 1024 * 1024); print('loaded', flush=True); "
+             "time.sleep(0.5); os.kill(os.getpid(), 9)")
+    rc, out, err = run_wrapper(capfdbinary, "--interval", "0.1", "--json", str(tmp_path / "r.json"), "--",
+                               PY, "-c", child)
+    assert rc == 137
+    assert out == b"loaded\n"
+    rep = report(tmp_path / "r.json")
+    assert (rep["exit_code"], rep["signal"]) == (137, "SIGKILL")
+    f = exit_finding(rep)
+    assert f["severity"] == "fail"
+    m = re.match(r"killed by SIGKILL after \d+\.\d s: peak RSS (\d+) MiB of [\d.]+ GiB RAM \(\d+%\)", f["title"])
+    assert m, f["title"]
+    assert int(m.group(1)) * MIB >= 300e6
+    evidence = " ".join(f["evidence"])
+    # the kernel log was read (this self-kill left no OOM line) or we say it could not be
+    assert "has no OOM-killer entry" in evidence or "kernel log not readable" in evidence
+    fixes = " ".join(f["fix"])
+    for remedy in ('"nvme"', "zero.Init", "--nproc_per_node", "torchdoctor ds memory"):
+        assert remedy in fixes
+    assert f"[FAIL] {f['title']}" in err
+
+
+def _memory_cgroup(tmp_name: str, limit: int) -> Path | None:
+    """A child memory cgroup of ours with ``limit`` bytes (v1 or v2), or None where we may not make one."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            base, limit_file = Path(f"/sys/fs/cgroup/{controllers}{path}"), "memory.limit_in_bytes"
+            break
+    else:
+        base, limit_file = Path("/sys/fs/cgroup" + Path("/proc/self/cgroup").read_text().split("::", 1)[-1].strip()), \
+            "memory.max"
+    cg = base / tmp_name
+    try:
+        cg.mkdir()
+        (cg / limit_file).write_text(str(limit))
+    except OSError:
+        if cg.exists():
+            cg.rmdir()
+        return None
+    return cg
+
+
+def test_real_oom_kill_in_a_memory_cgroup_is_named(capfdbinary, tmp_path):
+    cg = _memory_cgroup(f"torchdoctor-test-{os.getpid()}", 100 * MIB)
+    if cg is None:
+        pytest.skip("cannot create a memory cgroup here (needs root and a writable cgroup tree)")
+    try:
+        child = (f"import os, time; open({str(cg / 'cgroup.procs')!r}, 'w').write(str(os.getpid())); "
+                 "b = bytearray(b'x') * (300 * 1024 * 1024); time.sleep(1)")
+        rc, _, err = run_wrapper(capfdbinary, "--interval", "0.1", "--json", str(tmp_path / "r.json"), "--",
+                                 PY, "-c", child)
+    finally:
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+    assert rc == 137
+    f = exit_finding(report(tmp_path / "r.json"))
+    if "kernel log not readable" in f["evidence"]:
+        pytest.skip("the kernel log is not readable here")
+    assert f["title"].startswith("killed by the kernel's OOM killer (SIGKILL)"), f["title"]
+    assert "cgroup limit" in f["title"]
+    evidence = " ".join(f["evidence"])
+    assert re.search(rf"Killed process {f['data']['pid']}\b|pid={f['data']['pid']}\b", evidence), evidence
+    assert "CONSTRAINT_MEMCG" in evidence and "Raise the job's memory limit" in f["fix"][0]
+
+
+# -------------------------------------------------------------------------------- findings, no I/O
+
+
+def _result(**kw) -> wrap.RunResult:
+    base = dict(argv=["deepspeed", "train.py"], pid=4242, exit_code=137, signal=9, duration_s=12.34,
+                peak_rss=int(21.4 * (1 << 30)), peak_rss_t=12.0, peak_rss_procs=9, child_maxrss=0,
+                mem_total=int(23.5 * (1 << 30)), min_available=200 * MIB, min_available_t=12.1, cgroup_limit=None,
+                cgroup_oom_kills=None, pids_seen={4242, 4250}, forwarded=[], killed_by_us=False, interval=0.5,
+                samples=[], log_findings=[], timeline=[])
+    base.update(kw)
+    return wrap.RunResult(**base)
+
+
+def test_sigkill_title_when_the_kernel_log_is_not_readable():
+    r = _result(kernel=wrap.KernelLog(False, "kernel log not readable (dmesg -T, /dev/kmsg and journalctl -k ...)"))
+    f = wrap.exit_finding(r)
+    assert f.severity == "fail"
+    assert f.title == ("killed by SIGKILL after 12.3 s: peak RSS 21.4 GiB of 23.5 GiB RAM (91%) -- the kernel's "
+                       "OOM killer is the usual cause")
+    assert any(e.startswith("kernel log not readable") for e in f.evidence)
+    assert wrap.memory_finding(r) is None  # process.exit already says it
+
+
+def test_global_oom_line_is_matched_to_our_pids():
+    log = (
+        "[Sun Nov 29 10:00:00 2026] oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,mems_allowed=0,"
+        "global_oom,task_memcg=/user.slice,task=python,pid=4250,uid=1000\n"
+        "[Sun Nov 29 10:00:00 2026] Out of memory: Killed process 4250 (python) total-vm:30000000kB, "
+        "anon-rss:20000000kB\n"
+        "[Sun Nov 29 10:00:01 2026] Out of memory: Killed process 999 (other) total-vm:1kB\n"
+    )
+    lines, memcg = wrap.parse_oom_lines(log, {4242, 4250})
+    assert len(lines) == 2 and all("4250" in ln for ln in lines) and memcg is None
+    r = _result(exit_code=1, signal=None, kernel=wrap.KernelLog(True, "dmesg -T", lines))
+    f = wrap.exit_finding(r)  # torchrun exits 1 when a worker was OOM-killed
+    assert f.severity == "fail" and "OOM killer killed a process of it" in f.title
+    assert any("Killed process 4250" in e for e in f.evidence)
+
+
+def test_low_memavailable_is_a_warning_even_when_the_command_succeeds():
+    r = _result(exit_code=0, signal=None)
+    assert wrap.exit_finding(r).severity == "ok"
+    m = wrap.memory_finding(r)
+    assert m is not None and m.severity == "warn" and "MemAvailable fell to 200 MiB of 23.5 GiB" in m.title
+    assert wrap.memory_finding(_result(exit_code=0, signal=None, min_available=10 << 30)) is None
+
+
+# ------------------------------------------------------------------------------------ log findings
+
+TRAINING_LOG = r"""
+import sys, time
+print("[2026-03-02 10:00:00,123] [INFO] [loss_scaler.py:183:update_scale] [deepspeed] OVERFLOW! Rank 0 "
+      "Skipping step. Attempted loss scale: 65536, reducing to 32768")
+sys.stderr.write("\r  5%|5         | 5/100 [00:01<00:19, loss=2.3]"); sys.stderr.flush(); time.sleep(0.1)
+sys.stderr.write("\r 10%|#         | 10/100 [00:02<00:18, loss=nan]\n"); sys.stderr.flush()
+print("{'loss': nan, 'grad_norm': nan, 'learning_rate': 1e-05, 'epoch': 0.1}")
+sys.exit(1)
+"""
+
+
+def test_log_findings_of_the_command_are_reported(capfdbinary, tmp_path):
+    rc, out, err = run_wrapper(capfdbinary, "--json", str(tmp_path / "r.json"), "--", PY, "-c", TRAINING_LOG)
+    assert rc == 1
+    assert b"OVERFLOW! Rank 0" in out
+    rep = report(tmp_path / "r.json")
+    ids = {f["id"]: f for f in rep["findings"]}
+    assert "logs.analyzer-error" not in ids
+    assert ids["fp16.overflow"]["severity"] in ("info", "warn", "fail")
+    assert ids["loss.nonfinite"]["severity"] == "fail"
+    assert ids["process.exit"]["severity"] == "warn"
+    events = [e["event"] for e in rep["timeline"]]
+    assert "overflow" in events and "loss-nonfinite" in events
+    assert "(loss.nonfinite)" in err and "(fp16.overflow)" in err
+
+
+# ------------------------------------------------------------------------------------- bad input
+
+
+def test_command_not_found_is_127(capfdbinary):
+    rc, out, err = run_wrapper(capfdbinary, "--", "no-such-command-torchdoctor-xyz", "arg")
+    assert rc == 127
+    assert "no-such-command-torchdoctor-xyz: command not found" in err
+    assert "Traceback" not in err and out == b""
+
+
+def test_not_executable_is_126(capfdbinary, tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text("echo hi\n")
+    rc, _, err = run_wrapper(capfdbinary, "--", str(script))
+    assert rc == 126 and "permission denied" in err
+
+
+@pytest.mark.parametrize("argv", [[], ["--"], ["--log", "x.log"]])
+def test_no_command_is_usage_error(capfdbinary, argv):
+    rc, _, err = run_wrapper(capfdbinary, *argv)
+    assert rc == 2
+    assert "no command given" in err and "usage: torchdoctor run" in err
+
+
+def test_unwritable_log_is_usage_error_and_the_command_does_not_run(capfdbinary, tmp_path):
+    marker = tmp_path / "ran"
+    rc, _, err = run_wrapper(capfdbinary, "--log", str(tmp_path / "missing-dir" / "x.log"), "--",
+                             PY, "-c", f"open({str(marker)!r}, 'w')")
+    assert rc == 2
+    assert "cannot write --log" in err and "Traceback" not in err
+    assert not marker.exists()
+
+
+def test_json_given_a_program_name_is_refused(capfdbinary):
+    # `run --json python train.py` would otherwise write the report to a file named "python"
+    rc, _, err = run_wrapper(capfdbinary, "--json", "python3", "train.py")
+    assert rc == 2 and "--json takes a FILE" in err
+
+
+def test_bad_interval_is_an_argparse_error():
+    parser = argparse.ArgumentParser()
+    wrap_run.add_arguments(parser)
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--interval", "0", "--", "true"])
+    assert e.value.code == 2
+
+
+# ------------------------------------------------------------------------------- signals, chunks
+
+
+def _read_until(fd: int, needles: list[bytes], timeout: float = 10.0) -> bytes:
+    buf, deadline = b"", time.monotonic() + timeout
+    while not all(n in buf for n in needles):
+        left = deadline - time.monotonic()
+        assert left > 0, f"never saw {needles} in {buf!r}"
+        if select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 65536)
+            assert chunk, f"EOF before {needles} in {buf!r}"
+            buf += chunk
+    return buf
+
+
+SIGTERM_CHILD = r"""
+import signal, subprocess, sys, time
+gc = subprocess.Popen([sys.executable, "-c",
+    "import signal, sys, time\n"
+    "def h(s, f):\n    print('grandchild got', s, flush=True); sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, h)\nprint('grandchild ready', flush=True)\ntime.sleep(30)"])
+def h(s, f):
+    gc.wait(); print("child got", s, flush=True); sys.exit(5)
+signal.signal(signal.SIGTERM, h)
+sys.stdout.write("\r 10%|#         | progress"); sys.stdout.flush()
+time.sleep(30)
+"""
+
+
+def test_sigterm_is_forwarded_to_the_whole_tree_and_chunks_are_not_held_back():
+    p = subprocess.Popen([*WRAPPER, "--interval", "0.1", "--", PY, "-c", SIGTERM_CHILD],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        # a progress-bar chunk without a newline arrives while the child still runs
+        _read_until(p.stdout.fileno(), [b"\r 10%|#         | progress", b"grandchild ready\n"])
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=20)
+    finally:
+        p.kill()
+    err = err.decode()
+    assert p.returncode == 5, err
+    assert b"grandchild got 15" in out and b"child got 15" in out
+    assert "forwarded SIGTERM" in err and "Traceback" not in err
+    assert "exited with code 5" in err and "after torchdoctor forwarded SIGTERM" in err
+
+
+def test_ctrl_c_reaches_the_command_and_the_exit_code_says_sigint():
+    p = subprocess.Popen([*WRAPPER, "--", PY, "-c", "import time; print('ready', flush=True); time.sleep(30)"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _read_until(p.stdout.fileno(), [b"ready\n"])
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=20)
+    finally:
+        p.kill()
+    err = err.decode()
+    assert p.returncode == 130, err  # 128 + SIGINT: the wrapper itself was not interrupted
+    assert "KeyboardInterrupt" in err  # the child's own traceback
+    assert "[INFO] ended by SIGINT after" in err and "(forwarded by torchdoctor)" in err
