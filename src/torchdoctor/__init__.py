@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from .numerics.overflow import detect_overflow
 
 
-_SUBMODULES = ("cli", "comm", "compat", "deepspeed", "demo", "env", "findings", "logs", "integrations", "numerics", "syncs")
+_SUBMODULES = ("cli", "comm", "compat", "deepspeed", "demo", "env", "findings", "logs", "integrations", "numerics",
+               "syncs")
 
 
 def __getattr__(name: str) -> Any:
