@@ -382,3 +382,16 @@ def test_ctrl_c_reaches_the_command_and_the_exit_code_says_sigint():
     assert p.returncode == 130, err  # 128 + SIGINT: the wrapper itself was not interrupted
     assert "KeyboardInterrupt" in err  # the child's own traceback
     assert "[INFO] ended by SIGINT after" in err and "(forwarded by torchdoctor)" in err
+
+
+def test_a_big_parent_does_not_inflate_a_small_childs_peak():
+    """A forked child's ru_maxrss starts at the parent's high-water RSS: a `print` child must not inherit it."""
+    from torchdoctor.logs.wrap import run_command
+
+    big = bytearray(400 << 20)
+    for i in range(0, len(big), 4096):
+        big[i] = 1
+    del big
+    r = run_command([sys.executable, "-c", "print(1)"], out_fd=os.open(os.devnull, os.O_WRONLY))
+    assert r.child_maxrss > 300 << 20  # the kernel's figure did inherit our peak ...
+    assert r.peak_rss < 100 << 20  # ... and it was not taken for the command's

@@ -24,6 +24,7 @@ import contextlib
 import errno
 import os
 import re
+import resource
 import select
 import selectors
 import shlex
@@ -533,7 +534,9 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
     status: tuple[int, Any] | None = None  # (wait status, rusage)
     try:
         cg_limit, oom_before = cgroup_memory()
-        own_rss = vm_rss(os.getpid())
+        # a forked child's ru_maxrss starts at this process's own high-water mark (the mm is copied with its
+        # hiwater and exec keeps the maximum), not at its current RSS: compare against the high-water mark
+        own_rss = max(vm_rss(os.getpid()) or 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         try:
             proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     env=env, **group)
@@ -613,7 +616,7 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
     child_maxrss = int(ru.ru_maxrss) * 1024
     peak, peak_t, procs = mem.peak, mem.peak_t, mem.peak_procs
     # The kernel may have seen a higher peak between our samples -- but a forked child's ru_maxrss starts at
-    # the parent's RSS at fork time (it survives exec), so only a value clearly above ours is the command's.
+    # the parent's high-water RSS at fork time (it survives exec), so only a value clearly above it counts.
     if child_maxrss > peak and child_maxrss > 1.1 * own_rss + 16 * MIB:
         peak, peak_t, procs = child_maxrss, None, 1
     _, oom_after = cgroup_memory()
