@@ -35,10 +35,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._system import GIB, MIB, cgroup_memory, fmt_bytes, read_meminfo, read_text
 from ..findings import Finding
 
-GIB = 1024**3
-MIB = 1024**2
 _READ_CHUNK = 65536
 _MAX_PARTIAL_LINE = 1 << 20  # a "line" longer than this is fed to the analyzer in pieces
 _MAX_SAMPLES = 4000  # memory samples kept for --json; older ones are thinned, never the peaks
@@ -70,21 +69,6 @@ class WrapError(Exception):
 
 
 # ----------------------------------------------------------------------------------------------- /proc
-
-
-def read_meminfo() -> dict[str, int]:
-    """``/proc/meminfo`` in bytes (only the ``kB`` lines); ``{}`` where it is unreadable."""
-    out: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                parts = rest.split()
-                if len(parts) == 2 and parts[1] == "kB":
-                    out[name] = int(parts[0]) * 1024
-    except (OSError, ValueError):
-        return {}
-    return out
 
 
 def _ppid_map() -> dict[int, int]:
@@ -135,55 +119,6 @@ def vm_rss(pid: int) -> int:
     return 0
 
 
-def _cgroup_dirs() -> list[str]:
-    """This process's memory-cgroup directories, v2 and v1, most specific first."""
-    dirs: list[str] = []
-    try:
-        with open("/proc/self/cgroup") as f:
-            entries = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
-        entries = []
-    for e in entries:
-        if len(e) != 3:
-            continue
-        _, controllers, path = e
-        if controllers == "":
-            dirs += [f"/sys/fs/cgroup{path}", f"/sys/fs/cgroup/unified{path}"]
-        elif "memory" in controllers.split(","):
-            dirs.append(f"/sys/fs/cgroup/{controllers}{path}")
-    dirs += ["/sys/fs/cgroup", "/sys/fs/cgroup/memory"]  # inside a cgroup namespace the path is "/"
-    return [os.path.normpath(d) for d in dict.fromkeys(dirs)]
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def cgroup_memory() -> tuple[int | None, int | None]:
-    """(memory limit in bytes or None when unlimited/unknown, oom_kill counter or None) of our cgroup."""
-    limit = oom = None
-    for d in _cgroup_dirs():
-        for name in ("memory.max", "memory.limit_in_bytes"):
-            text = _read(os.path.join(d, name))
-            if limit is None and text is not None:
-                text = text.strip()
-                if text.isdigit() and int(text) < 1 << 60:
-                    limit = int(text)
-        for name in ("memory.events", "memory.oom_control"):
-            text = _read(os.path.join(d, name))
-            if oom is None and text:
-                m = re.search(r"^oom_kill (\d+)$", text, re.M)
-                if m:
-                    oom = int(m.group(1))
-        if limit is not None or oom is not None:
-            break
-    return limit, oom
-
-
 # --------------------------------------------------------------------------------------- kernel log
 
 _OOM_LINE = re.compile(r"Killed process (\d+)|oom-kill:.*?\bpid=(\d+)|Out of memory.*?process (\d+)")
@@ -202,7 +137,7 @@ def memcg_limit(path: str) -> int | None:
     """The memory limit of the cgroup ``path`` (as the kernel names it, e.g. ``/slurm/uid_1/job_7``)."""
     for f in (f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes", f"/sys/fs/cgroup{path}/memory.max",
               f"/sys/fs/cgroup/unified{path}/memory.max"):
-        text = (_read(os.path.normpath(f)) or "").strip()
+        text = (read_text(os.path.normpath(f)) or "").strip()
         if text.isdigit() and int(text) < 1 << 60:
             return int(text)
     return None
@@ -678,12 +613,6 @@ def cmdline(argv: list[str], limit: int = 300) -> str:
 
     s = " ".join(show(a) for a in argv).replace("\n", " ")
     return s if len(s) <= limit else s[: limit - 3] + "..."
-
-
-def fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
 
 
 def _ram(r: RunResult) -> tuple[int | None, str]:
