@@ -5,9 +5,20 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchdoctor.env.facts import Facts, Gpu, HostCompiler, PackageFacts, PathEntry, Toolkit, TorchFacts
+from torchdoctor.env import prebuild
+from torchdoctor.env.facts import (
+    BuildHome,
+    Facts,
+    Gpu,
+    HostCompiler,
+    PackageFacts,
+    PathEntry,
+    Toolkit,
+    TorchFacts,
+)
 from torchdoctor.env.rules import (
     RULES,
+    arch_list_fixed,
     build_toolkit,
     check_build_libaio_missing,
     check_build_ninja_missing,
@@ -86,18 +97,35 @@ def machine(torch: TorchFacts | None = None, toolkits: list[Toolkit] | None = No
     return f
 
 
+WRAPPER_HOME = BuildHome("/usr/local", nvcc="/usr/local/bin/nvcc", version="13.0", toolkit_root="/usr/local/cuda-13.0",
+                         missing=["include/cuda_runtime.h", "libcudart.so* (lib64, lib, targets/<arch>/lib)"])
+
+
 def real_machine() -> Facts:
-    """The machine of the issue: /usr/local/bin/nvcc is a wrapper script for /usr/local/cuda-13.0/bin/nvcc, so torch
-    and DeepSpeed take CUDA_HOME=/usr/local; torch is a CPU build; no GPU, no driver."""
+    """The machine of the issue: /usr/local/bin/nvcc is a wrapper script for /usr/local/cuda-13.0/bin/nvcc, so a CUDA
+    build of torch would take CUDA_HOME=/usr/local; torch is a CPU build (its CUDA_HOME and DeepSpeed's are None);
+    no GPU, no driver."""
     cuda13 = tk("13.0", via=["PATH (/usr/local)", "/usr/local/cuda-13.0"])
-    t = TorchFacts(version="2.13.0+cpu", cuda=None, gcc_table={"13.0": [[6, 0, 0], [16, 0]]}, cuda_home="/usr/local")
+    t = TorchFacts(version="2.13.0+cpu", cuda=None, gcc_table={"13.0": [[6, 0, 0], [16, 0]]}, cuda_home=None)
     return Facts(os="Linux-6.8.0-x86_64-with-glibc2.39", python="3.12.3", torch=t,
                  packages={"deepspeed": PackageFacts("deepspeed", "0.19.8", True)}, toolkits=[cuda13],
                  nvcc_on_path="/usr/local/bin/nvcc", nvcc_on_path_root="/usr/local/cuda-13.0",
-                 deepspeed_cuda_home="/usr/local",
+                 cuda_home_for_cuda_torch="/usr/local", deepspeed_cuda_home=None,
+                 build_homes=[WRAPPER_HOME, BuildHome("/usr/local/cuda-13.0", "/usr/local/cuda-13.0/bin/nvcc", "13.0",
+                                                      "/usr/local/cuda-13.0", "/usr/local/cuda-13.0/include",
+                                                      "/usr/local/cuda-13.0/lib64")],
                  path_entries=[PathEntry("PATH", 3, "/usr/local/bin", "/usr/local/cuda-13.0")],
                  compilers=[], host_compiler=HostCompiler("/usr/bin/gcc", "12.2.0", "PATH"),
                  ninja="1.11.1.git.kitware.jobserver-1", shm_gib=62.0)
+
+
+def cuda_wrapper_machine() -> Facts:
+    """The same machine with a CUDA 13.0 build of torch: torch and DeepSpeed really build with CUDA_HOME=/usr/local."""
+    f = real_machine()
+    f.torch = torch_cuda("13.0", version="2.13.0+cu130", home="/usr/local")
+    f.deepspeed_cuda_home = "/usr/local"
+    f.gpus = []
+    return f
 
 
 def only(findings, id_, severity=None):
@@ -181,14 +209,20 @@ def test_toolkit_at_follows_symlink_labels_but_not_wrapper_folders():
 
 
 def test_parse_arch_list():
-    ok, bad_ = parse_arch_list("8.0;8.6+PTX 9.0a")
-    assert ok == [((8, 0), "", False), ((8, 6), "", True), ((9, 0), "a", False)]
-    assert bad_ == []
-    ok, bad_ = parse_arch_list("Ampere;86;8.9,9.0;")
-    assert [c for c, _, _ in ok] == [(8, 0), (8, 6)]
-    assert bad_ == ["86", "8.9,9.0", ""]
-    ok, _ = parse_arch_list("Kepler+Tesla")
-    assert [c for c, _, _ in ok] == [(3, 7)]
+    p = parse_arch_list("8.0;8.6+PTX 9.0a")
+    assert p.entries == [((8, 0), "", False), ((8, 6), "", True), ((9, 0), "a", False)]
+    assert (p.unknown, p.empty, p.auto) == ([], 0, False)
+    p = parse_arch_list("Ampere;86;8.9,9.0;")
+    assert [c for c, _, _ in p.entries] == [(8, 0), (8, 6)] and p.names == ["Ampere"]
+    assert (p.unknown, p.empty) == (["86", "8.9,9.0"], 1)
+    assert [c for c, _, _ in parse_arch_list("Kepler+Tesla").entries] == [(3, 7)]
+    # torch's supported_arches: 8.1 and 9.9 do not exist, 10.0f is not in torch 2.13's list
+    assert parse_arch_list("8.1;9.9+PTX;10.0f").unknown == ["8.1", "9.9+PTX", "10.0f"]
+    assert parse_arch_list("").auto and parse_arch_list("native").auto
+    assert parse_arch_list(" ").empty == 2  # torch splits it into two empty entries (and raises)
+    # a torch with other tables: they are used instead of the fallback copies
+    p = parse_arch_list("Rubin;10.0f", names=[["Rubin", "11.0"]], supported=["11.0", "10.0f"])
+    assert p.entries == [((11, 0), "", False), ((10, 0), "f", False)] and p.unknown == []
 
 
 # -- judge -------------------------------------------------------------------------------------------------
@@ -216,25 +250,98 @@ def test_judge_order_is_the_rules_order_most_important_first():
 
 
 def test_real_machine_wrapper_nvcc():
+    """A CPU torch: torch's CUDA_HOME is None, DeepSpeed cannot build CUDA ops; the wrapper that a CUDA build of
+    torch would take as CUDA_HOME is a warning, not a failure."""
     f = real_machine()
     findings = judge(f)
-    home = only(findings, "cuda.home-mismatch", "fail")
-    assert "CUDA_HOME=/usr/local," in home.title and "not a CUDA toolkit" in home.title
-    assert home.fix[0] == "export CUDA_HOME=/usr/local/cuda-13.0"
+    home = only(findings, "cuda.home-mismatch", "warn")
+    assert home.title == ("a CUDA build of torch would use CUDA_HOME=/usr/local, which is not a CUDA toolkit (no "
+                          "include/cuda_runtime.h, no libcudart.so*); torch is not a CUDA build now, so DeepSpeed "
+                          "cannot build CUDA ops anyway")
+    assert home.fix == ["export CUDA_HOME=/usr/local/cuda-13.0"]
+    assert home.evidence[0].startswith("torch 2.13.0+cpu is a CPU build: torch.utils.cpp_extension.CUDA_HOME is None")
     assert any("/usr/local/bin/nvcc" in e and "wrapper" in e for e in home.evidence)
-    assert any("DeepSpeed builds with CUDA_HOME=/usr/local" in e for e in home.evidence)
-    assert home.data["bad"] == {"DeepSpeed": "/usr/local", "torch.utils.cpp_extension": "/usr/local"}
+    assert any(e.startswith("a CUDA build of torch (and DeepSpeed with it) would build with CUDA_HOME=/usr/local ")
+               for e in home.evidence)
+    assert home.data["bad"] == {"a CUDA build of torch (and DeepSpeed with it)": "/usr/local"}
+    assert home.data["torch_cuda_build"] is False
     assert "torch.cpu-build" not in ids(findings)  # no GPU, no driver: a CPU build is right here
     only(findings, "cuda.torch-vs-nvcc", "skip")
     gcc = only(findings, "compiler.host-gcc", "ok")
     assert "12.2.0" in gcc.title and "13.0" in gcc.title
     only(findings, "cuda.libcudart-missing", "ok")
     assert "gpu.arch-unsupported" in ids(findings) and "precision.bf16-available" not in ids(findings)
-    assert bad(findings) == [("cuda.home-mismatch", "fail")]
+    assert bad(findings) == [("cuda.home-mismatch", "warn")]
+    assert not any(x.severity == "fail" for x in findings)  # `torchdoctor env` exits 0 here
+    f.build_homes = [WRAPPER_HOME, BuildHome("/usr/local/cuda-13.0")]  # a usable home is ok for a CPU torch too
+    f.cuda_home_for_cuda_torch = f.cuda_home_env = "/usr/local/cuda-13.0"
+    ok = only(check_cuda_home_mismatch(f), "cuda.home-mismatch", "ok")
+    assert "a CUDA build of torch would use CUDA_HOME=/usr/local/cuda-13.0, a CUDA toolkit" in ok.title
+
+
+def test_wrapper_nvcc_with_a_cuda_torch_fails():
+    f = cuda_wrapper_machine()
+    home = only(check_cuda_home_mismatch(f), "cuda.home-mismatch", "fail")
+    assert home.title == ("extension builds would use CUDA_HOME=/usr/local, which is not a CUDA toolkit (no "
+                          "include/cuda_runtime.h, no libcudart.so*)")
+    assert home.fix == ["export CUDA_HOME=/usr/local/cuda-13.0"]
+    assert home.data["bad"] == {"DeepSpeed": "/usr/local", "torch.utils.cpp_extension": "/usr/local"}
+    assert any("DeepSpeed builds with CUDA_HOME=/usr/local" in e and "lacks include/cuda_runtime.h" in e
+               for e in home.evidence)
+    assert build_toolkit(f).root == "/usr/local/cuda-13.0"  # the wrapper runs that nvcc
+    lines = prebuild.commands(f, None).splitlines()
+    assert "export CUDA_HOME=/usr/local/cuda-13.0   # CUDA_HOME=/usr/local is not a CUDA toolkit (`torchdoctor env`)" \
+        in lines
+
+
+def debian_machine(cuda_home: str | None = None) -> Facts:
+    """Debian/Ubuntu's nvidia-cuda-toolkit: /usr/bin/nvcc runs /usr/lib/nvidia-cuda-toolkit (no include/ there),
+    headers in /usr/include, libcudart in /usr/lib/x86_64-linux-gnu: CUDA_HOME=/usr works."""
+    top = "/usr/lib/nvidia-cuda-toolkit"
+    deb = Toolkit(top, ["PATH (/usr)"], f"{top}/bin/nvcc", "12.0", "12.0.140", "/usr/lib/x86_64-linux-gnu",
+                  ["libcudart.so.12"], missing=["include/cuda_runtime.h"])
+    home = cuda_home or "/usr"
+    homes = [BuildHome("/usr", "/usr/bin/nvcc", "12.0", top, "/usr/include", "/usr/lib/x86_64-linux-gnu")]
+    if cuda_home:
+        homes.append(BuildHome(cuda_home, f"{cuda_home}/bin/nvcc", "12.0", top, None, "/usr/lib/x86_64-linux-gnu",
+                               ["include/cuda_runtime.h"]))
+    return machine(torch=torch_cuda("12.0", home=home), toolkits=[deb], home=home, nvcc_on_path="/usr/bin/nvcc",
+                   nvcc_on_path_root=top, cuda_home_env=cuda_home, cuda_home_for_cuda_torch=home,
+                   build_homes=homes, path_entries=[PathEntry("PATH", 1, "/usr/bin", top)])
+
+
+def test_debian_layout_cuda_home_is_usr_never_the_toolkit_top():
+    f = debian_machine()
+    ok = only(check_cuda_home_mismatch(f), "cuda.home-mismatch", "ok")
+    assert "CUDA_HOME=/usr, a CUDA toolkit" in ok.title
+    assert any("headers in /usr/include" in e for e in ok.evidence)
+    assert bad(judge(f)) == []
+    assert "export CUDA_HOME" not in prebuild.commands(f, None)
+    f = debian_machine(cuda_home="/usr/lib/nvidia-cuda-toolkit")
+    x = only(check_cuda_home_mismatch(f), "cuda.home-mismatch", "fail")
+    assert x.fix == ["export CUDA_HOME=/usr"]
+    assert x.title.endswith("CUDA_HOME=/usr/lib/nvidia-cuda-toolkit, which is not a CUDA toolkit (no "
+                            "include/cuda_runtime.h)")
+    # CUDA_HOME at another toolkit (12.4) while the Debian one matches torch's 12.0: its exports say /usr
+    f = debian_machine(cuda_home="/usr/local/cuda-12.4")
+    f.toolkits.append(tk("12.4"))
+    f.build_homes[1] = BuildHome("/usr/local/cuda-12.4", toolkit_root="/usr/local/cuda-12.4")
+    f.deepspeed_cuda_home = f.torch.cuda_home = "/usr/local/cuda-12.4"
+    x = only(check_cuda_torch_vs_nvcc(f), "cuda.torch-vs-nvcc", "warn")
+    assert x.fix[:3] == ["export CUDA_HOME=/usr", "export PATH=/usr/bin:$PATH",
+                         "export LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH"]
+    w = only(check_cuda_home_mismatch(f), "cuda.home-mismatch", "warn")  # CUDA_HOME vs `nvcc` on PATH
+    assert w.fix == ["export CUDA_HOME=/usr", "export PATH=/usr/bin:$PATH"]
+    f = debian_machine(cuda_home="/usr/lib/nvidia-cuda-toolkit")
+    f.build_homes = f.build_homes[1:]  # /usr not probed: no usable home to recommend, so install one
+    x = only(check_cuda_home_mismatch(f), "cuda.home-mismatch", "fail")
+    assert x.fix[0].startswith("conda install -c nvidia cuda-toolkit=12.0")
+    assert "export CUDA_HOME=/usr/lib/nvidia-cuda-toolkit" not in x.fix
 
 
 def test_warn_and_fail_findings_carry_fixes_and_data():
-    scenarios = [real_machine(), machine(torch=torch_cuda(None)), machine(toolkits=[tk("13.0")]),
+    scenarios = [real_machine(), cuda_wrapper_machine(), debian_machine("/usr/lib/nvidia-cuda-toolkit"),
+                 machine(torch=torch_cuda(None)), machine(toolkits=[tk("13.0")]),
                  machine(toolkits=[tk("12.4", lib=False)], shm_gib=0.06, ninja=None, libaio=None),
                  machine(host_compiler=HostCompiler("/usr/bin/gcc", "14.2.0", "PATH"),
                          gpu=gpus(("Tesla P100", "6.0")), torch=torch_cuda("12.8", arch=["sm_75", "sm_80"]),
@@ -432,6 +539,18 @@ def test_path_order_wrong_version_while_a_match_exists():
                        "/opt/cuda-12.4 (CUDA 12.4) matches torch's CUDA 12.4")
 
 
+def test_path_order_names_a_stray_libcudart_the_loader_finds_first():
+    f = machine(toolkits=[tk("12.4"), tk("12.1")])
+    root = "/usr/local/cuda-12.4"
+    f.path_entries = [PathEntry("PATH", 0, f"{root}/bin", root),
+                      PathEntry("LD_LIBRARY_PATH", 0, "/opt/libs", None, ["libcudart.so.12"]),
+                      PathEntry("LD_LIBRARY_PATH", 1, "/usr/local/cuda-12.1/lib64", "/usr/local/cuda-12.1")]
+    w = only(check_cuda_path_order(f), "cuda.path-order", "warn")
+    assert "LD_LIBRARY_PATH loads CUDA libraries from /usr/local/cuda-12.1" in w.title
+    assert w.evidence[-1] == ("LD_LIBRARY_PATH[0] = /opt/libs holds libcudart.so.12 outside any toolkit found: the "
+                              "loader looks there first")
+
+
 # -- cuda.home-mismatch ------------------------------------------------------------------------------------
 def test_home_mismatch_ok():
     ok = only(check_cuda_home_mismatch(machine()), "cuda.home-mismatch", "ok")
@@ -473,6 +592,7 @@ def test_home_mismatch_fix_prefers_toolkit_matching_torch():
 def test_libcudart_missing_build_toolkit_fails():
     f = machine(toolkits=[tk("12.4", lib=False)])
     x = only(check_cuda_libcudart_missing(f), "cuda.libcudart-missing", "fail")
+    only(check_cuda_home_mismatch(f), "cuda.home-mismatch", "ok")  # said once, here
     assert x.title == "CUDA toolkit /usr/local/cuda-12.4 has no libcudart"
     assert x.evidence[1] == "lib_dir: none found"
     assert x.fix[:3] == [
@@ -494,7 +614,8 @@ def test_libcudart_missing_other_toolkit_warns_and_arm_target():
 def test_host_gcc_ok_says_why():
     ok = only(check_compiler_host_gcc(machine()), "compiler.host-gcc", "ok")
     assert "gcc 12.2.0" in ok.title and ">=6.0.0, <14.0" in ok.title
-    assert ok.evidence[0] == "/usr/bin/gcc (12.2.0), chosen by nvcc from: PATH"
+    assert ok.evidence[0] == ("/usr/bin/gcc (12.2.0), chosen by nvcc from: PATH (no -ccbin, NVCC_CCBIN or "
+                              "<toolkit>/bin/gcc)")
     assert ok.data["min"] == [6, 0, 0] and ok.data["max"] == [14, 0]
 
 
@@ -515,13 +636,37 @@ def test_host_gcc_too_new():
                      "or: export CC=/usr/bin/gcc-13 CXX=/usr/bin/g++-13   # torch passes CC to nvcc as -ccbin"]
 
 
-def test_host_gcc_too_old_from_toolkit_link_and_nvcc_ccbin():
+def test_host_gcc_too_old_from_toolkit_link():
     f = machine(host_compiler=HostCompiler("/usr/local/cuda-12.4/bin/gcc", "5.4.0", "toolkit bin/gcc"))
     x = only(check_compiler_host_gcc(f), "compiler.host-gcc", "fail")
     assert "older than CUDA 12.4" in x.title
-    assert x.fix[1] == "sudo ln -sf /usr/bin/gcc-13 /usr/local/cuda-12.4/bin/gcc"  # replace the existing link
-    f.host_compiler = HostCompiler("/usr/bin/gcc-14", "14.1.0", "NVCC_CCBIN")
-    assert check_compiler_host_gcc(f)[0].fix[-1] == "export NVCC_CCBIN=/usr/bin/gcc-13"
+    assert x.fix == ["sudo apt install gcc-13 g++-13",
+                     "sudo ln -sf /usr/bin/gcc-13 /usr/local/cuda-12.4/bin/gcc",  # replace the existing link
+                     "sudo ln -sf /usr/bin/g++-13 /usr/local/cuda-12.4/bin/g++",
+                     "or: export CC=/usr/bin/gcc-13 CXX=/usr/bin/g++-13   # torch passes CC to nvcc as -ccbin"]
+    assert "nvcc puts its own bin folder first on PATH" in x.evidence[0]
+
+
+def test_host_gcc_fix_matches_the_source_that_wins():
+    """Only a fix that wins in nvcc's order: a link in the toolkit does nothing while CC or NVCC_CCBIN pick gcc."""
+    def fix(source: str) -> list[str]:
+        f = machine(host_compiler=HostCompiler("/usr/bin/gcc-14", "14.1.0", source, ["PATH: /usr/bin/gcc"]))
+        x = only(check_compiler_host_gcc(f), "compiler.host-gcc", "fail")
+        assert x.fix[0] == "sudo apt install gcc-13 g++-13" and x.data["source"] == source
+        assert x.evidence[2] == "also present, but lower in nvcc's order: PATH: /usr/bin/gcc"
+        return x.fix[1:]
+
+    assert fix("CC") == ["export CC=/usr/bin/gcc-13 CXX=/usr/bin/g++-13   # torch passes CC to nvcc as -ccbin"]
+    assert fix("NVCC_CCBIN") == ["export NVCC_CCBIN=/usr/bin/gcc-13", "or: export CC=/usr/bin/gcc-13 "
+                                 "CXX=/usr/bin/g++-13   # torch passes CC to nvcc as -ccbin, which beats NVCC_CCBIN"]
+    assert fix("-ccbin in NVCC_PREPEND_FLAGS")[0] == "change -ccbin in NVCC_PREPEND_FLAGS to -ccbin /usr/bin/gcc-13"
+    assert fix("-ccbin in NVCC_APPEND_FLAGS") == [
+        "change -ccbin in NVCC_APPEND_FLAGS to -ccbin /usr/bin/gcc-13   # it wins over CC and NVCC_CCBIN"]
+    assert fix("PATH") == ["sudo ln -s /usr/bin/gcc-13 /usr/local/cuda-12.4/bin/gcc",
+                           "sudo ln -s /usr/bin/g++-13 /usr/local/cuda-12.4/bin/g++",
+                           "or: export CC=/usr/bin/gcc-13 CXX=/usr/bin/g++-13   # torch passes CC to nvcc as -ccbin"]
+    for source in ("CC", "NVCC_CCBIN", "-ccbin in NVCC_PREPEND_FLAGS", "-ccbin in NVCC_APPEND_FLAGS"):
+        assert not any("ln -s" in x for x in fix(source)), source
 
 
 def test_host_gcc_info_and_skip_and_missing():
@@ -596,8 +741,8 @@ def test_arch_list_unset():
 def test_arch_list_set_ok():
     f = machine(gpu=gpus(("RTX 3090", "8.6")), env={"TORCH_CUDA_ARCH_LIST": "8.0 8.6+PTX"})
     only(check_gpu_arch_list(f), "gpu.arch-list", "ok")
-    f.env["TORCH_CUDA_ARCH_LIST"] = "Ampere"
-    only(check_gpu_arch_list(f), "gpu.arch-list", "ok")
+    f = machine(gpu=gpus(("RTX 3090", "8.6")), env={"TORCH_CUDA_ARCH_LIST": "Ampere"}, ds=None)
+    only(check_gpu_arch_list(f), "gpu.arch-list", "ok")  # torch expands names
     i = only(check_gpu_arch_list(machine(gpu=[], env={"TORCH_CUDA_ARCH_LIST": "9.0"})), "gpu.arch-list", "info")
     assert "no GPU is visible" in i.title
 
@@ -611,7 +756,9 @@ def test_arch_list_leaves_out_a_gpu():
 
 def test_arch_list_unparseable_entry():
     w = only(check_gpu_arch_list(machine(env={"TORCH_CUDA_ARCH_LIST": "80;8.0"})), "gpu.arch-list", "warn")
-    assert "entry '80' is not X.Y" in w.title and w.data["unparseable"] == ["80"]
+    assert "torch refuses '80': \"Unknown CUDA arch (80) or GPU not supported\"" in w.title
+    assert w.data["unparseable"] == ["80"]
+    assert any(e.startswith("torch 2.5.1+cu124 accepts 3.5, 3.7,") for e in w.evidence)
     assert w.fix == ['export TORCH_CUDA_ARCH_LIST="8.0"']
     w = only(check_gpu_arch_list(machine(gpu=[], env={"TORCH_CUDA_ARCH_LIST": "86"})), "gpu.arch-list", "warn")
     assert "nvidia-smi --query-gpu=compute_cap" in w.fix[0]
@@ -624,6 +771,74 @@ def test_arch_list_pre_turing_with_cuda13():
     assert w.fix == ['export TORCH_CUDA_ARCH_LIST="8.0"']
     f = machine(toolkits=[tk("12.8")], torch=torch_cuda("12.8"), env={"TORCH_CUDA_ARCH_LIST": "6.0;7.0;8.0"})
     only(check_gpu_arch_list(f), "gpu.arch-list", "ok")  # CUDA 12 still builds for them
+
+
+def test_arch_list_empty_or_native_is_auto_detect_like_unset():
+    for value in ("", "native"):
+        f = machine(gpu=gpus(("RTX 3090", "8.6")), env={"TORCH_CUDA_ARCH_LIST": value}, ds=None)
+        i = only(check_gpu_arch_list(f), "gpu.arch-list", "info")
+        assert i.title == (f"TORCH_CUDA_ARCH_LIST is {value!r} (torch detects the visible GPUs, as when it is "
+                           "unset); the visible GPUs need 8.6")
+        assert i.fix == ['export TORCH_CUDA_ARCH_LIST="8.6"']
+        f.gpus = []
+        assert "no GPU is visible" in only(check_gpu_arch_list(f), "gpu.arch-list", "info").title
+    # DeepSpeed reads 'native' as X.Y and fails; an empty value only breaks its prebuild
+    f = machine(gpu=gpus(("RTX 3090", "8.6")), env={"TORCH_CUDA_ARCH_LIST": "native"})
+    w = only(check_gpu_arch_list(f), "gpu.arch-list", "warn")
+    assert "DeepSpeed refuses 'native'" in w.title and "invalid literal for int()" in w.evidence[1]
+    assert w.fix == ['export TORCH_CUDA_ARCH_LIST="8.6"', "or: unset TORCH_CUDA_ARCH_LIST"]
+    f.env["TORCH_CUDA_ARCH_LIST"] = ""
+    i = only(check_gpu_arch_list(f), "gpu.arch-list", "info")
+    assert any("prebuild" in e for e in i.evidence)
+
+
+def test_arch_list_refused_like_torch_refuses():
+    for value, refused in (("8.6;8.1", "8.1"), ("8.6;9.9+PTX", "9.9+PTX"), ("8.6;10.0f", "10.0f")):
+        w = only(check_gpu_arch_list(machine(gpu=gpus(("RTX 3090", "8.6")), env={"TORCH_CUDA_ARCH_LIST": value})),
+                 "gpu.arch-list", "warn")
+        assert f"torch refuses {refused!r}" in w.title, value
+        assert w.fix == ['export TORCH_CUDA_ARCH_LIST="8.6"']
+    # the installed torch's own table wins over the fallback copy
+    f = machine(gpu=gpus(("B200", "10.0")), env={"TORCH_CUDA_ARCH_LIST": "10.0f"}, ds=None)
+    f.torch.supported_arches = ["9.0", "10.0", "10.0f"]
+    only(check_gpu_arch_list(f), "gpu.arch-list", "ok")
+
+
+def test_arch_list_empty_entries():
+    f = machine(gpu=gpus(("RTX 3090", "8.6")), env={"TORCH_CUDA_ARCH_LIST": "8.6;;"})
+    w = only(check_gpu_arch_list(f), "gpu.arch-list", "warn")
+    assert "2 empty entries" in w.title and "only DeepSpeed's JIT builds drop them" in w.title
+    assert "leaves out" not in w.title and w.data["parsed"] == ["8.6"]  # dropped, as DeepSpeed's JIT does
+    assert w.fix == ['export TORCH_CUDA_ARCH_LIST="8.6"']
+
+
+def test_arch_list_names_and_suffixes_deepspeed_cannot_read():
+    f = machine(gpu=gpus(("H100", "9.0")), env={"TORCH_CUDA_ARCH_LIST": "Ampere;9.0a+PTX"})
+    w = only(check_gpu_arch_list(f), "gpu.arch-list", "warn")
+    assert "DeepSpeed's op builder (0.19.8) reads only X.Y[+PTX]: 'Ampere', '9.0a+PTX'" in w.title
+    assert "leaves out" not in w.title  # 9.0a covers the H100 for torch
+    assert w.fix == ['export TORCH_CUDA_ARCH_LIST="8.0;8.6+PTX;9.0+PTX"']
+    f.packages = {}
+    only(check_gpu_arch_list(f), "gpu.arch-list", "ok")
+    assert arch_list_fixed(f) == "8.0;8.6+PTX;9.0a+PTX"
+
+
+def test_prebuild_arch_list_without_gpu_cleans_the_variable():
+    f = machine(gpu=[], env={"TORCH_CUDA_ARCH_LIST": "8.6;;Hopper"})
+    out = prebuild.commands(f, None)
+    assert 'TORCH_CUDA_ARCH_LIST="8.6;9.0+PTX" DS_BUILD_CPU_ADAM=1' in out
+    assert "using your TORCH_CUDA_ARCH_LIST='8.6;;Hopper' as '8.6;9.0+PTX'" in out
+    f.env["TORCH_CUDA_ARCH_LIST"] = "8.6"
+    assert 'TORCH_CUDA_ARCH_LIST="8.6" DS_BUILD_CPU_ADAM=1' in prebuild.commands(f, None)
+    f.env["TORCH_CUDA_ARCH_LIST"] = "native"
+    assert 'TORCH_CUDA_ARCH_LIST="<ARCH>"' in prebuild.commands(f, None)
+
+
+def test_prebuild_says_a_cpu_torch_cannot_build_cuda_ops():
+    out = prebuild.commands(real_machine(), None)
+    assert "# torch 2.13.0+cpu is not a CUDA build: DeepSpeed cannot build CUDA ops with it" in out
+    assert "export CUDA_HOME=/usr/local/cuda-13.0   # CUDA_HOME=/usr/local is not a CUDA toolkit" in out
+    assert "not a CUDA build" not in prebuild.commands(machine(), None)
 
 
 # -- precision.bf16-available ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import rules
 from .facts import Facts
 
 
@@ -12,10 +13,15 @@ def arch_list_line(facts: Facts, recommended: str | None) -> tuple[str, list[str
         notes.append(f"TORCH_CUDA_ARCH_LIST={recommended!r}: the compute capabilities of the visible GPUs "
                      f"({', '.join(sorted({g.name for g in facts.gpus}))})")
         return recommended, notes
-    if facts.env.get("TORCH_CUDA_ARCH_LIST"):
-        value = facts.env["TORCH_CUDA_ARCH_LIST"]
-        notes.append(f"no GPU is visible here: using your TORCH_CUDA_ARCH_LIST={value!r}")
-        return value, notes
+    if value := facts.env.get("TORCH_CUDA_ARCH_LIST"):
+        fixed = rules.arch_list_fixed(facts)
+        if fixed and fixed != value:
+            notes.append(f"no GPU is visible here: using your TORCH_CUDA_ARCH_LIST={value!r} as {fixed!r}, without "
+                         "what torch or DeepSpeed refuse (`torchdoctor env` says what)")
+            return fixed, notes
+        if fixed:
+            notes.append(f"no GPU is visible here: using your TORCH_CUDA_ARCH_LIST={value!r}")
+            return value, notes
     notes.append("no GPU is visible here: replace <ARCH> with the target machine's compute capabilities, from "
                  "`nvidia-smi --query-gpu=compute_cap --format=csv,noheader` there (e.g. 8.6, or 8.0;9.0 for mixed "
                  "GPUs)")
@@ -31,8 +37,13 @@ def commands(facts: Facts, recommended: str | None, nvme: bool = False, jobs: in
         state = f"found at {facts.libaio}" if facts.libaio else "NOT found: install it first"
         lines += [f"# NVMe offload needs libaio-dev ({state}):",
                   "sudo apt install libaio-dev   # yum install libaio-devel"]
-    if facts.cuda_home_env is None and facts.nvcc_on_path_root and facts.deepspeed_cuda_home != facts.nvcc_on_path_root:
-        lines.append(f"export CUDA_HOME={facts.nvcc_on_path_root}   # the toolkit nvcc really runs from")
+    if facts.torch.installed and facts.torch.cuda is None and facts.torch.hip is None:
+        lines.append(f"# torch {facts.torch.version} is not a CUDA build: DeepSpeed cannot build CUDA ops with it; "
+                     "install a CUDA build of torch first (`torchdoctor env` says which)")
+    home = next(iter(rules.build_home_paths(facts)), None)
+    target = rules.usable_home(facts)
+    if home and target and rules.home_missing(facts, home) and target[0] != home:
+        lines.append(f"export CUDA_HOME={target[0]}   # CUDA_HOME={home} is not a CUDA toolkit (`torchdoctor env`)")
     lines += [
         "",
         "# 1. build and install here",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import posixpath
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from ..findings import Finding
 from .facts import Facts, Gpu, Toolkit
@@ -25,14 +26,24 @@ DS_MINOR_MISMATCH_OK: dict[int, tuple[str, ...]] = {
 DS_RULE = ("DeepSpeed's op builder (0.19.8) accepts a different minor version only when both are in one of "
            "{10.0-10.2}, {11.0-11.8}, {12.0-12.6, 12.8, 12.9}; CUDA 13 has no such list")
 
-# torch.utils.cpp_extension `named_arches` (torch 2.13): TORCH_CUDA_ARCH_LIST may name architectures; torch
-# replaces the names textually, in this order, before splitting. A fallback: Facts does not carry torch's table.
+# torch.utils.cpp_extension._get_cuda_arch_flags (torch 2.13): TORCH_CUDA_ARCH_LIST may name architectures, which
+# torch replaces textually, in this order, before splitting; every entry must then be one of `supported_arches`,
+# with or without "+PTX". The probe reads both tables from the installed torch (TorchFacts.arch_names,
+# .supported_arches); these copies are the fallback for a torch where it could not.
 NAMED_ARCHES: tuple[tuple[str, str], ...] = (
     ("Kepler+Tesla", "3.7"), ("Kepler", "3.5+PTX"), ("Maxwell+Tegra", "5.3"), ("Maxwell", "5.0;5.2+PTX"),
     ("Pascal", "6.0;6.1+PTX"), ("Volta+Tegra", "7.2"), ("Volta", "7.0+PTX"), ("Turing", "7.5+PTX"),
     ("Ampere+Tegra", "8.7"), ("Ampere", "8.0;8.6+PTX"), ("Ada", "8.9+PTX"), ("Hopper", "9.0+PTX"),
     ("Blackwell+Tegra", "11.0"), ("Blackwell", "10.0;10.3;12.0;12.1+PTX"),
 )
+SUPPORTED_ARCHES: tuple[str, ...] = (
+    "3.5", "3.7", "5.0", "5.2", "5.3", "6.0", "6.1", "6.2", "7.0", "7.2", "7.5", "8.0", "8.6", "8.7", "8.9", "9.0",
+    "9.0a", "10.0", "10.0a", "11.0", "11.0a", "10.3", "10.3a", "12.0", "12.0a", "12.1", "12.1a",
+)
+# DeepSpeed 0.19.8's op builder (compute_capability_args) reads each entry as X.Y[+PTX] with int(): names
+# ("Ampere"), suffixes ("9.0a") and "native" raise ValueError in JIT and prebuild alike; its JIT builds drop empty
+# entries, its prebuild (setup.py, DS_BUILD_*=1) fails on them.
+DS_ARCH_ENTRY = re.compile(r"\d+\.\d+(\+PTX)?")
 CUDA13_MIN_ARCH = (7, 5)  # CUDA 13 dropped Maxwell, Pascal and Volta targets
 BF16_MIN_CAP = (8, 0)
 SHM_MIN_GIB = 1.0
@@ -121,9 +132,19 @@ def _lib_dir(tk: Toolkit) -> str:
     return tk.lib_dir or f"{tk.root}/lib64"
 
 
-def _exports(tk: Toolkit) -> list[str]:
+def home_for(facts: Facts, tk: Toolkit) -> str:
+    """The CUDA_HOME that makes ``tk`` the build toolkit: its root, unless the root lacks what a build needs and a
+    usable CUDA_HOME leads to it (Debian's /usr for /usr/lib/nvidia-cuda-toolkit, which has no include/)."""
+    if not tk.missing:
+        return tk.root
+    return next((h.path for h in facts.build_homes if not h.missing and _norm(h.toolkit_root) == _norm(tk.root)),
+                tk.root)
+
+
+def _exports(tk: Toolkit, facts: Facts | None = None) -> list[str]:
     """The guide's three lines that make ``tk`` the toolkit of builds, of PATH and of the dynamic loader."""
-    return [f"export CUDA_HOME={tk.root}", f"export PATH={tk.root}/bin:$PATH",
+    home = home_for(facts, tk) if facts is not None else tk.root
+    return [f"export CUDA_HOME={home}", f"export PATH={home}/bin:$PATH",
             f"export LD_LIBRARY_PATH={_lib_dir(tk)}:$LD_LIBRARY_PATH"]
 
 
@@ -164,16 +185,69 @@ def toolkit_at(facts: Facts, path: str | None) -> Toolkit | None:
 
 
 def build_toolkit(facts: Facts) -> Toolkit | None:
-    """The toolkit extension builds would use: DeepSpeed's CUDA_HOME, else torch's, else the one nvcc runs from.
+    """The toolkit extension builds would use: DeepSpeed's CUDA_HOME, else torch's, else (for a CPU build of torch)
+    the one a CUDA build of torch would use, else the one nvcc on PATH runs from.
 
-    The probe's ``build_toolkit_root`` (the same choice, made with real paths) wins when it names a found toolkit.
+    The probe's ``build_toolkit_root`` (the same choice, made with real paths) wins when it names a found toolkit;
+    a CUDA_HOME whose ``bin/nvcc`` is a wrapper leads to the toolkit that nvcc runs.
     """
     if tk := facts.toolkit(getattr(facts, "build_toolkit_root", None)):
         return tk
-    for home in (facts.deepspeed_cuda_home, facts.torch.cuda_home):
+    for home in build_home_paths(facts):
+        bh = facts.build_home(home)
+        if bh and (tk := facts.toolkit(bh.toolkit_root)):
+            return tk
         if tk := toolkit_at(facts, home):
             return tk
     return facts.toolkit(facts.nvcc_on_path_root)
+
+
+def build_home_paths(facts: Facts) -> list[str]:
+    """The CUDA_HOMEs extension builds use: DeepSpeed's and torch's, or, while torch is not a CUDA build (both are
+    None then), the one a CUDA build of torch would use."""
+    homes = [h for h in (facts.deepspeed_cuda_home, facts.torch.cuda_home) if h]
+    if not homes and not _is_cuda_build(facts) and facts.cuda_home_for_cuda_torch:
+        homes.append(facts.cuda_home_for_cuda_torch)
+    return list(dict.fromkeys(homes))
+
+
+def home_missing(facts: Facts, home: str) -> list[str] | None:
+    """What an extension build with CUDA_HOME=``home`` needs and does not find there ([] when usable); None when
+    the probe did not look at ``home`` and it is none of the toolkits found (fabricated facts). A missing libcudart
+    of a found toolkit is left to cuda.libcudart-missing."""
+    tk = toolkit_at(facts, home)
+    if bh := facts.build_home(home):
+        return [m for m in bh.missing if not (tk is not None and m.startswith("libcudart"))]
+    return None if tk is None else list(tk.missing)
+
+
+def usable_home(facts: Facts) -> tuple[str, Toolkit | None] | None:
+    """The CUDA_HOME to recommend, with its toolkit: one that has bin/nvcc, include/cuda_runtime.h and libcudart,
+    preferring the version torch was built with, then the toolkit `nvcc` on PATH runs. A Debian/Ubuntu
+    nvidia-cuda-toolkit (headers in /usr/include) is recommended as /usr, never as /usr/lib/nvidia-cuda-toolkit."""
+    def ok(tk: Toolkit) -> bool:
+        return bool(tk.libcudart) and not tk.missing
+
+    want = _mm(facts.torch.cuda) if _is_cuda_build(facts) else None
+    homes = [(h.path, facts.toolkit(h.toolkit_root)) for h in facts.build_homes if not h.missing]
+    tks = [t for t in facts.toolkits if ok(t)]
+    nv = facts.toolkit(facts.nvcc_on_path_root)
+    b = build_toolkit(facts)
+    matches = [t for t in tks if want and _mm(t.version) == want]
+    if matches:
+        t = b if b in matches else matches[0]
+        return t.root, t
+    for path, t in homes:
+        if t is not None and want and _mm(t.version) == want:
+            return path, t
+    if nv is not None and ok(nv):
+        return nv.root, nv
+    for path, t in homes:
+        if nv is not None and t is nv:
+            return path, t
+    if homes:
+        return homes[0]
+    return (tks[0].root, tks[0]) if tks else None
 
 
 def matching_toolkits(facts: Facts) -> list[Toolkit]:
@@ -183,12 +257,14 @@ def matching_toolkits(facts: Facts) -> list[Toolkit]:
 
 
 def _preferred_match(facts: Facts) -> Toolkit | None:
-    """The toolkit matching torch to recommend: the build toolkit if it matches, else one with libcudart."""
+    """The toolkit matching torch to recommend: the build toolkit if it matches, else one with libcudart (and
+    nothing missing for builds)."""
     matches = matching_toolkits(facts)
     b = build_toolkit(facts)
     if b in matches:
         return b
-    return next((t for t in matches if t.libcudart), matches[0] if matches else None)
+    return next((t for t in matches if t.libcudart and not t.missing),
+                next((t for t in matches if t.libcudart), matches[0] if matches else None))
 
 
 def recommended_arch_list(facts: Facts) -> str | None:
@@ -365,7 +441,7 @@ def check_cuda_torch_vs_nvcc(facts: Facts) -> list[Finding]:
     if others:
         good = next((tk for tk in others if tk.libcudart), others[0])
         ev.append(f"toolkit {_tk_label(good)} matches torch: use it")
-        fix += _exports(good)
+        fix += _exports(good, facts)
     else:
         fix += _install_toolkit(t)
     fix.append(f"or install torch built for CUDA {n}: {_pip_torch(facts, n)}")
@@ -388,7 +464,7 @@ def check_cuda_multiple_toolkits(facts: Facts) -> list[Finding]:
         good = _preferred_match(facts)
         return [Finding("cuda.multiple-toolkits", "warn",
                         f"{len(facts.toolkits)} CUDA toolkits: builds use {_tk_label(b)}, but {_tk_label(good)} "
-                        f"matches torch's CUDA {facts.torch.cuda}", ev, _exports(good), data)]
+                        f"matches torch's CUDA {facts.torch.cuda}", ev, _exports(good, facts), data)]
     return [Finding("cuda.multiple-toolkits", "info", f"{len(facts.toolkits)} CUDA toolkits found", ev, [], data)]
 
 
@@ -404,6 +480,12 @@ def check_cuda_path_order(facts: Facts) -> list[Finding]:
         if e is not None:
             tk = facts.toolkit(e.toolkit)
             ev.append(f"{e.var}[{e.index}] = {e.path} -> {e.toolkit} (CUDA {tk.version if tk else '?'})")
+    stray = [e for e in facts.path_entries if e.var == "LD_LIBRARY_PATH" and not e.toolkit and e.libcudart
+             and (ld is None or e.index < ld.index)]
+    if stray:
+        e = stray[0]
+        ev.append(f"LD_LIBRARY_PATH[{e.index}] = {e.path} holds {', '.join(e.libcudart)} outside any toolkit found: "
+                  "the loader looks there first")
     if p is not None and ld is not None and _norm(p.toolkit) != _norm(ld.toolkit):
         problems.append(f"PATH runs nvcc from {p.toolkit}, LD_LIBRARY_PATH loads CUDA libraries from {ld.toolkit}")
     good = _preferred_match(facts)
@@ -433,10 +515,16 @@ def check_cuda_path_order(facts: Facts) -> list[Finding]:
 
 
 def check_cuda_home_mismatch(facts: Facts) -> list[Finding]:
+    """CUDA_HOME judged by what a build needs there: bin/nvcc that runs, include/cuda_runtime.h, libcudart.
+
+    With a CPU (or ROCm) build of torch, torch.utils.cpp_extension.CUDA_HOME is None and DeepSpeed, which takes it,
+    cannot build CUDA ops at all; the CUDA_HOME a CUDA build of torch would use is judged then, as a warning.
+    """
     fid = "cuda.home-mismatch"
-    if not facts.toolkits:
+    if not facts.toolkits and not facts.build_homes:
         return []
     nvcc_parent = posixpath.dirname(posixpath.dirname(facts.nvcc_on_path)) if facts.nvcc_on_path else None
+    cuda_torch = _is_cuda_build(facts)
 
     def origin(path: str) -> str:
         if _norm(path) == _norm(facts.cuda_home_env):
@@ -447,49 +535,94 @@ def check_cuda_home_mismatch(facts: Facts) -> list[Finding]:
             return f"the folder above the folder of `nvcc` on PATH ({facts.nvcc_on_path})"
         return "its default"
 
-    target = (_preferred_match(facts) or facts.toolkit(facts.nvcc_on_path_root)
-              or next((t for t in facts.toolkits if t.libcudart), facts.toolkits[0]))
+    if cuda_torch:
+        users = [(who, home) for who, home in (("DeepSpeed", facts.deepspeed_cuda_home),
+                                               ("torch.utils.cpp_extension", facts.torch.cuda_home)) if home]
+    else:
+        users = [("a CUDA build of torch (and DeepSpeed with it)", h) for h in build_home_paths(facts)]
+    cpu_note = None
+    if not cuda_torch:
+        build = ("not importable" if not facts.torch.installed else
+                 f"a ROCm build (HIP {facts.torch.hip})" if facts.torch.hip else "a CPU build")
+        torch = f"torch {facts.torch.version}" if facts.torch.version else "torch"
+        cpu_note = (f"{torch} is {build}: torch.utils.cpp_extension.CUDA_HOME is None, and DeepSpeed's op builder, "
+                    "which takes it, cannot build CUDA ops (MissingCUDAException: \"CUDA_HOME does not exist, unable "
+                    "to compile CUDA op(s)\")")
+    target = usable_home(facts)
     out: list[Finding] = []
-    users = [(who, home) for who, home in (("DeepSpeed", facts.deepspeed_cuda_home),
-                                           ("torch.utils.cpp_extension", facts.torch.cuda_home)) if home]
-    bad = [(who, home) for who, home in users if toolkit_at(facts, home) is None]
+    missing = {home: home_missing(facts, home) for _, home in users}
+    bad = [(who, home) for who, home in users if missing[home] != []]
     if bad:
-        ev = [f"{who} builds with CUDA_HOME={home} (from {origin(home)}), which is not a CUDA toolkit"
+        homes = sorted({h for _, h in bad})
+        lacks = {h: missing[h] for h in homes if missing[h]}
+        ev = [f"{who} {'builds' if cuda_torch else 'would build'} with CUDA_HOME={home} (from {origin(home)})"
+              + (f", which lacks {', '.join(missing[home])}" if missing[home] else ", which is not a CUDA toolkit")
               for who, home in bad]
+        if cpu_note:
+            ev.insert(0, cpu_note)
         if facts.nvcc_on_path and facts.nvcc_on_path_root and any(_norm(h) == _norm(nvcc_parent) for _, h in bad):
             ev.append(f"`nvcc` on PATH is {facts.nvcc_on_path}, which runs the toolkit at {facts.nvcc_on_path_root} "
-                      "(a wrapper script or link): its folder's parent has no lib64 or include")
-        ev.append("toolkits found: " + "; ".join(_tk_label(t) for t in facts.toolkits))
-        fix = [f"export CUDA_HOME={target.root}"]
-        if facts.toolkit(facts.nvcc_on_path_root) is not target:
-            fix.append(f"export PATH={target.root}/bin:$PATH")
-        homes = sorted({h for _, h in bad})
-        out.append(Finding(fid, "fail", f"extension builds would use CUDA_HOME={', '.join(homes)}, which is not a "
-                           f"CUDA toolkit (found: {', '.join(t.root for t in facts.toolkits)})", ev, fix,
-                           {"bad": {who: home for who, home in bad}, "target": target.root,
+                      "(a wrapper script or link): the folder above its folder is not that toolkit")
+        ev.append("toolkits found: " + ("; ".join(_tk_label(t) + (f" (lacks {', '.join(t.missing)})" if t.missing
+                                                                   else "") for t in facts.toolkits) or "none"))
+        if target is not None:
+            path, tk = target
+            fix = [f"export CUDA_HOME={path}"]
+            if tk is not None and facts.toolkit(facts.nvcc_on_path_root) is not tk:
+                fix.append(f"export PATH={path}/bin:$PATH")
+        else:
+            ev.append("no toolkit found has bin/nvcc, include/cuda_runtime.h and libcudart together")
+            fix = _install_toolkit(_mm_str(facts.torch.cuda) or "<X.Y>")
+        short = sorted({m.split(" (")[0] for ms in lacks.values() for m in ms})
+        subject = "extension builds" if cuda_torch else "a CUDA build of torch"
+        title = (f"{subject} would use CUDA_HOME={', '.join(homes)}, which is not a CUDA toolkit"
+                 + (f" (no {', no '.join(short)})" if short
+                    else f" (found: {', '.join(t.root for t in facts.toolkits) or 'none'})"))
+        if not cuda_torch:
+            title += "; torch is not a CUDA build now, so DeepSpeed cannot build CUDA ops anyway"
+        out.append(Finding(fid, "fail" if cuda_torch else "warn", title, ev, fix,
+                           {"bad": {who: home for who, home in bad}, "missing": lacks,
+                            "target": target[0] if target else None, "torch_cuda_build": cuda_torch,
                             "nvcc_on_path": facts.nvcc_on_path, "nvcc_on_path_root": facts.nvcc_on_path_root}))
     env_bad = any(_norm(h) == _norm(facts.cuda_home_env) for _, h in bad)
     if facts.cuda_home_env and facts.nvcc_on_path_root and not env_bad:
-        home_tk = toolkit_at(facts, facts.cuda_home_env)
+        bh = facts.build_home(facts.cuda_home_env)
+        home_tk = (facts.toolkit(bh.toolkit_root) if bh else None) or toolkit_at(facts, facts.cuda_home_env)
         home_root = home_tk.root if home_tk else facts.cuda_home_env
         if _norm(home_root) != _norm(facts.nvcc_on_path_root):
             nv = facts.toolkit(facts.nvcc_on_path_root)
-            pick = _preferred_match(facts) or home_tk or nv or target
+            pick = _preferred_match(facts) or home_tk or nv
             ev = [f"CUDA_HOME={facts.cuda_home_env}: {_tk_label(home_tk) if home_tk else 'not a found toolkit'}",
                   f"`nvcc` on PATH ({facts.nvcc_on_path}) runs {_tk_label(nv) if nv else facts.nvcc_on_path_root}",
                   "extension builds compile with CUDA_HOME's nvcc; scripts and build tools that call `nvcc` get the "
                   "other one"]
+            pick_home = home_for(facts, pick) if pick else facts.cuda_home_env
+            fix = [f"export CUDA_HOME={pick_home}", f"export PATH={pick_home}/bin:$PATH"]
             out.append(Finding(fid, "warn", f"CUDA_HOME ({home_root}) and `nvcc` on PATH ({facts.nvcc_on_path_root})"
-                               " are different toolkits", ev,
-                               [f"export CUDA_HOME={pick.root}", f"export PATH={pick.root}/bin:$PATH"],
+                               " are different toolkits", ev, fix,
                                {"cuda_home": facts.cuda_home_env, "cuda_home_root": home_tk.root if home_tk else None,
-                                "nvcc_on_path_root": facts.nvcc_on_path_root, "target": pick.root}))
+                                "nvcc_on_path_root": facts.nvcc_on_path_root,
+                                "target": pick_home}))
     if not out and users:
-        homes = sorted({toolkit_at(facts, h).root for _, h in users})
-        out.append(Finding(fid, "ok", f"extension builds use CUDA_HOME={', '.join(homes)}, a CUDA toolkit",
-                           [f"{who}: CUDA_HOME={home} -> {_tk_label(toolkit_at(facts, home))}"
-                            for who, home in users], data={"homes": homes}))
+        homes = sorted({h for _, h in users})
+        ev = ([cpu_note] if cpu_note else []) + [f"{who}: CUDA_HOME={home} -> {_home_label(facts, home)}"
+                                                 for who, home in users]
+        title = (f"extension builds use CUDA_HOME={', '.join(homes)}, a CUDA toolkit" if cuda_torch else
+                 f"a CUDA build of torch would use CUDA_HOME={', '.join(homes)}, a CUDA toolkit (torch is not a CUDA "
+                 "build now)")
+        out.append(Finding(fid, "ok", title, ev, data={"homes": homes, "torch_cuda_build": cuda_torch}))
     return out
+
+
+def _home_label(facts: Facts, home: str) -> str:
+    bh = facts.build_home(home)
+    tk = (facts.toolkit(bh.toolkit_root) if bh else None) or toolkit_at(facts, home)
+    if bh is None:
+        return _tk_label(tk)
+    parts = [f"bin/nvcc (CUDA {bh.version}" + (f", runs {bh.toolkit_root})" if bh.toolkit_root
+                                                and _norm(bh.toolkit_root) != _norm(home) else ")"),
+             f"headers in {bh.include}", f"libcudart in {bh.lib_dir}"]
+    return ", ".join(parts)
 
 
 def check_cuda_libcudart_missing(facts: Facts) -> list[Finding]:
@@ -520,6 +653,34 @@ def check_cuda_libcudart_missing(facts: Facts) -> list[Finding]:
 
 
 # -- host compiler -----------------------------------------------------------------------------------------
+HOST_COMPILER_WHY = {
+    "-ccbin in NVCC_APPEND_FLAGS": "nvcc takes the last -ccbin, and NVCC_APPEND_FLAGS come after the build's own",
+    "CC": "torch.utils.cpp_extension passes -ccbin $CC to nvcc",
+    "-ccbin in NVCC_PREPEND_FLAGS": "no -ccbin after it: CC is unset, none in NVCC_APPEND_FLAGS",
+    "NVCC_CCBIN": "no -ccbin on nvcc's command line",
+    "toolkit bin/gcc": "nvcc puts its own bin folder first on PATH",
+    "PATH": "no -ccbin, NVCC_CCBIN or <toolkit>/bin/gcc",
+}
+
+
+def _host_gcc_fix(source: str, major: int, root: str) -> list[str]:
+    """The fix for the source that picks the host compiler (anything lower in nvcc's order would not win)."""
+    gcc, gxx = f"/usr/bin/gcc-{major}", f"/usr/bin/g++-{major}"
+    cc = f"export CC={gcc} CXX={gxx}"
+    if source == "-ccbin in NVCC_APPEND_FLAGS":
+        return [f"change -ccbin in NVCC_APPEND_FLAGS to -ccbin {gcc}   # it wins over CC and NVCC_CCBIN"]
+    if source == "CC":
+        return [f"{cc}   # torch passes CC to nvcc as -ccbin"]
+    if source == "-ccbin in NVCC_PREPEND_FLAGS":
+        return [f"change -ccbin in NVCC_PREPEND_FLAGS to -ccbin {gcc}", f"or: {cc}   # torch's -ccbin $CC comes later "
+                "on nvcc's command line and wins"]
+    if source == "NVCC_CCBIN":
+        return [f"export NVCC_CCBIN={gcc}", f"or: {cc}   # torch passes CC to nvcc as -ccbin, which beats NVCC_CCBIN"]
+    ln = "sudo ln -sf" if source == "toolkit bin/gcc" else "sudo ln -s"  # -f: replace the toolkit's link
+    return [f"{ln} {gcc} {root}/bin/gcc", f"{ln} {gxx} {root}/bin/g++",
+            f"or: {cc}   # torch passes CC to nvcc as -ccbin"]
+
+
 def check_compiler_host_gcc(facts: Facts) -> list[Finding]:
     fid = "compiler.host-gcc"
     hc = facts.host_compiler
@@ -533,6 +694,9 @@ def check_compiler_host_gcc(facts: Facts) -> list[Finding]:
     name = posixpath.basename(hc.path)
     data = {"path": hc.path, "version": hc.version, "source": hc.source, "cuda": b.version if b else None}
     why = f"{hc.path} ({hc.version or 'version unknown'}), chosen by nvcc from: {hc.source}"
+    if hc.source in HOST_COMPILER_WHY:
+        why += f" ({HOST_COMPILER_WHY[hc.source]})"
+    overridden = getattr(hc, "overridden", None) or []
     if "clang" in name:
         return [Finding(fid, "info", f"host compiler is clang ({hc.path} {hc.version or ''}".rstrip() + "): "
                         "torch's gcc table does not apply", [why], [], data)]
@@ -551,18 +715,13 @@ def check_compiler_host_gcc(facts: Facts) -> list[Finding]:
     rng = f">={_vstr(bounds[0])}, <{_vstr(bounds[1])}"
     data.update(min=list(bounds[0]), max=list(bounds[1]))
     ev = [why, f"CUDA {cuda} (toolkit {b.root}) accepts gcc {rng} (torch.utils.cpp_extension.CUDA_GCC_VERSIONS)"]
+    if overridden:
+        ev.append("also present, but lower in nvcc's order: " + "; ".join(overridden))
     if lo <= version < hi:
         return [Finding(fid, "ok", f"host compiler gcc {hc.version} is within CUDA {cuda}'s range {rng}", ev,
                         data=data)]
     major = hi[0] - 1  # the newest major CUDA accepts
-    gcc, gxx = f"/usr/bin/gcc-{major}", f"/usr/bin/g++-{major}"
-    ln = "sudo ln -sf" if hc.source == "toolkit bin/gcc" else "sudo ln -s"
-    fix = [f"sudo apt install gcc-{major} g++-{major}", f"{ln} {gcc} {b.root}/bin/gcc", f"{ln} {gxx} {b.root}/bin/g++",
-           f"or: export CC={gcc} CXX={gxx}   # torch passes CC to nvcc as -ccbin"]
-    if hc.source == "NVCC_CCBIN":
-        fix.append(f"export NVCC_CCBIN={gcc}")
-    elif hc.source.startswith("-ccbin"):
-        fix.append(f"change -ccbin in NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS to -ccbin {gcc}")
+    fix = [f"sudo apt install gcc-{major} g++-{major}"] + _host_gcc_fix(hc.source, major, b.root)
     side = "newer" if version >= hi else "older"
     return [Finding(fid, "fail", f"host compiler gcc {hc.version} is {side} than CUDA {cuda} accepts ({rng}): nvcc "
                     "and torch.utils.cpp_extension refuse it", ev, fix, data)]
@@ -638,22 +797,76 @@ def check_gpu_arch_unsupported(facts: Facts) -> list[Finding]:
     return out
 
 
-def parse_arch_list(value: str) -> tuple[list[tuple[tuple[int, int], str, bool]], list[str]]:
-    """TORCH_CUDA_ARCH_LIST as torch reads it: ((major, minor), suffix, +PTX) per entry, and unparseable entries.
+@dataclass
+class ArchList:
+    """TORCH_CUDA_ARCH_LIST as torch.utils.cpp_extension reads it."""
 
-    Spaces separate like ';'; torch's architecture names (Ampere, Hopper, ...) are expanded first.
-    """
+    auto: bool = False  # "" or "native": torch builds for the visible GPUs, as when it is unset
+    entries: list[tuple[tuple[int, int], str, bool]] = field(default_factory=list)  # ((8, 6), "a", +PTX) accepted
+    unknown: list[str] = field(default_factory=list)  # torch: "Unknown CUDA arch (X) or GPU not supported"
+    empty: int = 0  # empty entries (";;", a ';' or a space at either end): torch raises on them too
+    names: list[str] = field(default_factory=list)  # architecture names expanded ("Ampere", ...)
+    raw: list[str] = field(default_factory=list)  # the non-empty entries as written (spaces as ';'), before names
+
+
+def parse_arch_list(value: str, names: Iterable[Iterable[str]] | None = None,
+                    supported: Iterable[str] | None = None) -> ArchList:
+    """TORCH_CUDA_ARCH_LIST as torch's ``_get_cuda_arch_flags`` reads it: "" and "native" detect the visible GPUs;
+    otherwise spaces separate like ';', architecture names are replaced in torch's order, and each entry must be one
+    of torch's ``supported_arches`` ("8.6", "9.0a", ...), optionally with "+PTX" ("8.1", "9.9+PTX" are refused)."""
+    if value in ("", "native"):
+        return ArchList(auto=True)
+    names = [tuple(n) for n in (NAMED_ARCHES if names is None else names)]
+    supported = list(SUPPORTED_ARCHES if supported is None else supported)
+    valid = set(supported) | {a + "+PTX" for a in supported}
+    out = ArchList(raw=[e for e in value.replace(" ", ";").split(";") if e])
     s = value.replace(" ", ";")
-    for name, arches in NAMED_ARCHES:
-        s = s.replace(name, arches)
-    ok, bad = [], []
+    for name, arches in names:
+        if name in s:
+            out.names.append(name)
+            s = s.replace(name, arches)
     for entry in s.split(";"):
-        m = re.fullmatch(r"(\d+)\.(\d+)([af]?)(\+PTX)?", entry)
-        if m:
-            ok.append(((int(m.group(1)), int(m.group(2))), m.group(3), bool(m.group(4))))
+        m = re.fullmatch(r"(\d+)\.(\d+)([a-z]*)(\+PTX)?", entry)
+        if entry == "":
+            out.empty += 1
+        elif entry in valid and m:
+            out.entries.append(((int(m.group(1)), int(m.group(2))), m.group(3), bool(m.group(4))))
         else:
-            bad.append(entry)
-    return ok, bad
+            out.unknown.append(entry)
+    return out
+
+
+def _arch_token(cap: tuple[int, int], suffix: str, ptx: bool) -> str:
+    return f"{_cap_str(cap)}{suffix}{'+PTX' if ptx else ''}"
+
+
+def _torch_arch_parse(facts: Facts, value: str) -> ArchList:
+    return parse_arch_list(value, facts.torch.arch_names, facts.torch.supported_arches)
+
+
+def arch_list_fixed(facts: Facts) -> str | None:
+    """TORCH_CUDA_ARCH_LIST with what torch or DeepSpeed refuse taken out and the visible GPUs added (None: unset,
+    auto-detect, or nothing left)."""
+    value = facts.env.get("TORCH_CUDA_ARCH_LIST")
+    if value is None:
+        return None
+    parsed = _torch_arch_parse(facts, value)
+    if parsed.auto:
+        return None
+    b = build_toolkit(facts)
+    tk_mm = _mm(b.version) if b else None
+    cuda13 = bool(tk_mm and tk_mm[0] >= 13)
+    ds = _deepspeed_installed(facts)
+    keep: dict[tuple[tuple[int, int], str], bool] = {}
+    for cap, suffix, ptx in parsed.entries:
+        if cuda13 and cap < CUDA13_MIN_ARCH:
+            continue
+        key = (cap, "" if ds else suffix)  # DeepSpeed cannot read "9.0a"
+        keep[key] = keep.get(key, False) or ptx
+    for cap in _gpus_by_cap(facts.gpus):
+        if not any(c == cap for c, _ in keep):
+            keep[(cap, "")] = False
+    return ";".join(_arch_token(c, sfx, ptx) for (c, sfx), ptx in sorted(keep.items())) or None
 
 
 def check_gpu_arch_list(facts: Facts) -> list[Finding]:
@@ -661,23 +874,52 @@ def check_gpu_arch_list(facts: Facts) -> list[Finding]:
     rec = recommended_arch_list(facts)
     value = facts.env.get("TORCH_CUDA_ARCH_LIST")
     b = build_toolkit(facts)
-    data = {"TORCH_CUDA_ARCH_LIST": value, "recommended": rec, "toolkit": b.version if b else None}
+    ds = _deepspeed_installed(facts)
+    data = {"TORCH_CUDA_ARCH_LIST": value, "recommended": rec, "toolkit": b.version if b else None,
+            "torch_tables": facts.torch.supported_arches is not None}
     query = "nvidia-smi --query-gpu=compute_cap --format=csv,noheader"
-    if value is None:
+    parsed = _torch_arch_parse(facts, value) if value is not None else None
+    if parsed is None or parsed.auto:
+        shown = "is unset" if value is None else f"is {value!r} (torch detects the visible GPUs, as when it is unset)"
+        ev, fix, sev = [], [], "info"
+        if value == "native" and ds:
+            sev = "warn"
+            ev.append("DeepSpeed's op builder (0.19.8) does not know 'native': it reads entries as X.Y and fails with "
+                      "ValueError: invalid literal for int() with base 10: 'native'")
+        elif value == "" and ds:
+            ev.append("DeepSpeed's JIT builds detect the GPUs too, but its prebuild (setup.py, DS_BUILD_*=1) reads "
+                      "the empty value literally and fails with ValueError")
         if rec is None:
-            return [Finding(fid, "info", "TORCH_CUDA_ARCH_LIST is unset and no GPU is visible",
-                            ["extension builds without a visible GPU need TORCH_CUDA_ARCH_LIST"],
-                            [f"set TORCH_CUDA_ARCH_LIST for the target machine's GPUs (`{query}` there), e.g. "
-                             'export TORCH_CUDA_ARCH_LIST="8.6"'], data)]
-        return [Finding(fid, "info", f"TORCH_CUDA_ARCH_LIST is unset; the visible GPUs need {rec}",
-                        ["builds target the GPUs of the machine they run on; set it to build once for these GPUs "
-                         "(and to prebuild DeepSpeed ops)"], [f'export TORCH_CUDA_ARCH_LIST="{rec}"'], data)]
-    entries, bad = parse_arch_list(value)
-    caps = {c for c, _, _ in entries}
+            ev.insert(0, "extension builds without a visible GPU need TORCH_CUDA_ARCH_LIST: torch's detection "
+                         "finds no GPU and fails (IndexError: list index out of range)")
+            fix.append(f"set TORCH_CUDA_ARCH_LIST for the target machine's GPUs (`{query}` there), e.g. "
+                       'export TORCH_CUDA_ARCH_LIST="8.6"')
+            title = f"TORCH_CUDA_ARCH_LIST {shown} and no GPU is visible"
+        else:
+            ev.insert(0, "builds target the GPUs of the machine they run on; set it to build once for these GPUs "
+                         "(and to prebuild DeepSpeed ops)")
+            fix.append(f'export TORCH_CUDA_ARCH_LIST="{rec}"')
+            title = f"TORCH_CUDA_ARCH_LIST {shown}; the visible GPUs need {rec}"
+        if value is not None and ds:
+            fix.append("or: unset TORCH_CUDA_ARCH_LIST")
+        if sev == "warn":
+            title += ": DeepSpeed refuses 'native'"
+        return [Finding(fid, sev, title, ev, fix, data)]
+    caps = {c for c, _, _ in parsed.entries}
     problems: list[tuple[str, str]] = []
-    for e in bad:
-        problems.append(("warn", f"entry {e!r} is not X.Y[+PTX]: torch raises \"Unknown CUDA arch ({e}) or GPU not "
-                                 "supported\""))
+    for e in parsed.unknown:
+        problems.append(("warn", f"torch refuses {e!r}: \"Unknown CUDA arch ({e}) or GPU not supported\""))
+    if parsed.empty:
+        problems.append(("warn", f"{parsed.empty} empty entr{'y' if parsed.empty == 1 else 'ies'} (';;', or a ';' or "
+                                 "space at either end): torch raises \"Unknown CUDA arch () or GPU not supported\" "
+                                 "and DeepSpeed's prebuild (setup.py) fails with ValueError; only DeepSpeed's JIT "
+                                 "builds drop them"))
+    if ds:
+        unreadable = [e for e in parsed.raw if not DS_ARCH_ENTRY.fullmatch(e) and e not in parsed.unknown]
+        if unreadable:
+            problems.append(("warn", f"DeepSpeed's op builder (0.19.8) reads only X.Y[+PTX]: "
+                                     f"{', '.join(repr(e) for e in unreadable)} make it fail with ValueError: invalid "
+                                     "literal for int()"))
     for cap, gpus in _gpus_by_cap(facts.gpus).items():
         if cap not in caps:
             problems.append(("warn", f"leaves out {_cap_str(cap)} ({_gpu_names(gpus)})"))
@@ -687,18 +929,22 @@ def check_gpu_arch_list(facts: Facts) -> list[Finding]:
         if old:
             problems.append(("warn", f"{', '.join(_cap_str(c) for c in old)} below 7.5: CUDA {b.version} ({b.root}) "
                                      "dropped pre-Turing targets; nvcc fails with \"Unsupported gpu architecture\""))
-    data["parsed"] = sorted({_cap_str(c) for c in caps}, key=_cap)
-    data["unparseable"] = bad
-    ev = [f"TORCH_CUDA_ARCH_LIST={value!r}"] + [p for _, p in problems]
+    data.update(parsed=sorted({_cap_str(c) for c in caps}, key=_cap), unparseable=parsed.unknown, empty=parsed.empty,
+                names=parsed.names)
+    ev = [f"TORCH_CUDA_ARCH_LIST={value!r}" + (f" (names: {', '.join(parsed.names)})" if parsed.names else "")]
+    ev += [p for _, p in problems]
+    if parsed.unknown:
+        ev.append((f"torch {facts.torch.version}" if facts.torch.version else "torch") + " accepts "
+                  + ", ".join(facts.torch.supported_arches or SUPPORTED_ARCHES) + " (each also with +PTX)"
+                  + ("" if facts.torch.supported_arches else " -- torch 2.13's list; this torch's was not read"))
     if rec is None:
         ev.append(f"no GPU visible here: make sure it lists the target machine's GPUs (`{query}` there)")
     if problems:
-        keep = sorted({c for c in caps if not (tk_mm and tk_mm[0] >= 13 and c < CUDA13_MIN_ARCH)}
-                      | {c for c in _gpus_by_cap(facts.gpus)})
-        fixed = ";".join(_cap_str(c) for c in keep)
+        fixed = arch_list_fixed(facts)
         fix = ([f'export TORCH_CUDA_ARCH_LIST="{fixed}"'] if fixed else
                [f"set it to the target machine's capabilities as X.Y (`{query}` there), e.g. "
                 'export TORCH_CUDA_ARCH_LIST="8.6"'])
+        data["fixed"] = fixed
         sev = max((s for s, _ in problems), key=_SEV.__getitem__)
         return [Finding(fid, sev, f"TORCH_CUDA_ARCH_LIST={value!r}: " + "; ".join(p for _, p in problems), ev, fix,
                         data)]

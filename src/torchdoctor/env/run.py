@@ -61,7 +61,9 @@ def facts_summary(facts) -> list[tuple[str, str]]:
         ("driver", f"{facts.driver} (from {facts.driver_source})" if facts.driver else "none found"),
         ("CUDA toolkits", tks),
         ("nvcc on PATH", nvcc),
-        ("CUDA_HOME for builds", f"{facts.deepspeed_cuda_home or 'none'} (CUDA_HOME={facts.cuda_home_env or 'unset'})"),
+        ("CUDA_HOME for builds", (facts.deepspeed_cuda_home or f"none: torch is a CPU build (a CUDA torch would use "
+                                  f"{facts.cuda_home_for_cuda_torch or 'none'})")
+         + f" (CUDA_HOME={facts.cuda_home_env or 'unset'})"),
         ("host compiler", comp),
         ("build tools", f"ninja {facts.ninja or 'not found'}; libaio-dev {facts.libaio or 'not found'}"),
         ("system", f"{facts.cpu_count} CPUs, RAM {facts.ram_gib} GiB, /dev/shm {facts.shm_gib} GiB"),
