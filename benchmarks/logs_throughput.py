@@ -7,6 +7,11 @@ CPU, and checks that the events were found.
 
     python benchmarks/logs_throughput.py               # 1 GB
     python benchmarks/logs_throughput.py --size 100M   # quick
+    python benchmarks/logs_throughput.py --size 300M --run --shapes
+
+``--run`` also times ``torchdoctor run -- cat LOG`` (its engine, ``run_command``, output to /dev/null: the
+analyzer fed from a pipe); ``--shapes`` also times two worst cases of the same size: a log whose every line is an
+event, and one line with no newline (base64 junk, where anchors occur by chance).
 """
 
 from __future__ import annotations
@@ -23,6 +28,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from torchdoctor.logs.analyze import analyze_stream  # noqa: E402
+
+WORST_LINES = (  # every line an event (kept distinct where the analyzer deduplicates)
+    "[2025-01-01 12:00:00,000] [INFO] [loss_scaler.py:183:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step. "
+    "Attempted loss scale: 1, reducing to 1",
+    "{{'loss': nan, 'grad_norm': nan, 'learning_rate': 3e-05, 'epoch': 0.00}}",
+    "[rank{r}]:[E ProcessGroupNCCL.cpp:607] [Rank {r}] Watchdog caught collective operation timeout: WorkNCCL("
+    "SeqNum={i}, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600010 milliseconds before "
+    "timing out.",
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB "
+    "of which 1.2 GiB is free.",
+    "[2025-01-01] [ERROR] [launch.py:325:sigkill_handler] ['python', 'train.py', '--local_rank={r}'] exits with "
+    "return code = -9",
+    "/tmp/x/csrc/adam/cpu_adam.cpp:{i}:10: fatal error: cuda_runtime.h: No such file or directory",
+)
 
 BLOCK_LINES = 8000
 
@@ -116,10 +135,59 @@ def generate(path: str, size: int, seed: int = 0) -> int:
     return written
 
 
+def generate_worst(path: str, size: int) -> int:
+    lines = [WORST_LINES[i % len(WORST_LINES)].format(i=i, r=i % 8) for i in range(60000)]
+    data = ("\n".join(lines) + "\n").encode()
+    with open(path, "wb") as f:
+        for _ in range(max(1, size // len(data))):
+            f.write(data)
+    return os.path.getsize(path)
+
+
+def generate_one_line(path: str, size: int, seed: int = 0) -> int:
+    import base64
+
+    rng = random.Random(seed)
+    block = base64.b64encode(rng.randbytes(3 << 20))  # 4 MiB of junk; a few dozen anchors occur in it by chance
+    with open(path, "wb") as f:
+        for _ in range(max(1, size // len(block))):
+            f.write(block)
+    return os.path.getsize(path)
+
+
+def time_run(path: str) -> float:
+    from torchdoctor.logs.wrap import run_command
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        t = time.perf_counter()
+        run_command(["cat", path], out_fd=devnull)
+        return time.perf_counter() - t
+    finally:
+        os.close(devnull)
+
+
+def time_shapes(size: int) -> None:
+    for name, gen in (("every line an event", generate_worst), ("one line, no newline (base64)", generate_one_line)):
+        path = tempfile.mkstemp(prefix="torchdoctor-logs-", suffix=".log")[1]
+        try:
+            n = gen(path, size)
+            t = time.perf_counter()
+            with open(path, "rb") as f:
+                report = analyze_stream(f)
+            dt = time.perf_counter() - t
+        finally:
+            os.unlink(path)
+        print(f"{name}: {n / 1e6:.0f} MB, {report.lines} lines in {dt:.2f} s = {n / 1e6 / dt:.0f} MB/s")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=parse_size, default=parse_size("1G"), help="log size, e.g. 1G (default), 100M")
     ap.add_argument("--keep", metavar="PATH", help="write the log here and keep it (default: a temp file, removed)")
+    ap.add_argument("--run", action="store_true", help="also time `torchdoctor run -- cat LOG` (output to /dev/null)")
+    ap.add_argument("--shapes", action="store_true",
+                    help="also time a log whose every line is an event, and one line without a newline")
     args = ap.parse_args(argv)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
@@ -138,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in f:
                 pass
         floor = time.perf_counter() - t
+        run_dt = time_run(path) if args.run else None
     finally:
         if not args.keep:
             os.unlink(path)
@@ -147,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
           f"findings: {', '.join(ids)}")
     print(f"floor (plain `for line in open(...)`, decoded): {floor:.2f} s = {n / 1e6 / floor:.0f} MB/s; "
           f"analyze_stream takes {dt / floor:.2f}x that")
+    if run_dt is not None:
+        print(f"torchdoctor run -- cat (to /dev/null): {run_dt:.2f} s = {n / 1e6 / run_dt:.0f} MB/s")
+    if args.shapes:
+        time_shapes(args.size)
     expected = {"fp16.overflow", "loss.nonfinite", "process.killed"}
     if not expected <= set(ids):
         print(f"MISSING findings: {sorted(expected - set(ids))}", file=sys.stderr)

@@ -25,6 +25,7 @@ from torchdoctor.logs import wrap, wrap_run
 PY = sys.executable
 MIB = 1 << 20
 WRAPPER = [PY, "-c", "import sys; from torchdoctor.logs.wrap_run import main; sys.exit(main())"]
+FIX = Path(__file__).parent / "fixtures" / "logs"
 
 
 def run_wrapper(capfdbinary, *argv: str) -> tuple[int, bytes, str]:
@@ -395,3 +396,138 @@ def test_a_big_parent_does_not_inflate_a_small_childs_peak():
     r = run_command([sys.executable, "-c", "print(1)"], out_fd=os.open(os.devnull, os.O_WRONLY))
     assert r.child_maxrss > 300 << 20  # the kernel's figure did inherit our peak ...
     assert r.peak_rss < 100 << 20  # ... and it was not taken for the command's
+
+
+# ------------------------------------------------------------------------------ review 2 (issue 5)
+
+# a launcher whose worker is SIGKILLed and which then exits by itself (torchrun's line names the worker's pid)
+LAUNCHER = r"""
+import subprocess, sys
+w = subprocess.Popen([sys.executable, "-c", "import os; print('worker up', flush=True); os.kill(os.getpid(), 9)"])
+w.wait()
+print(f"E0211 08:28:46.512000 3110 api.py:874] failed (exitcode: {w.returncode}) local_rank: 0 (pid: {w.pid}) of "
+      "binary: python", file=sys.stderr, flush=True)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def _fake_kernel(monkeypatch, oom_for_logged_pid: bool) -> list[set[int]]:
+    calls: list[set[int]] = []
+
+    def fake(pids: set[int]) -> wrap.KernelLog:
+        calls.append(set(pids))
+        lines = [f"Out of memory: Killed process {p} (python) total-vm:1kB" for p in pids if p not in seen[0]]
+        return wrap.KernelLog(True, "dmesg -T", lines if oom_for_logged_pid else [])
+
+    seen: list[set[int]] = [set()]
+    orig = wrap._Memory.sample
+
+    def sample(self, now):  # remember what the sampler saw: the worker's pid comes only from the log
+        orig(self, now)
+        seen[0] = set(self.pids_seen)
+
+    monkeypatch.setattr(wrap, "read_kernel_oom", fake)
+    monkeypatch.setattr(wrap._Memory, "sample", sample)
+    return calls
+
+
+@pytest.mark.parametrize("code", [0, 1])
+def test_a_sigkilled_worker_without_an_oom_line_is_not_blamed_on_the_oom_killer(capfdbinary, tmp_path, monkeypatch,
+                                                                               code):
+    calls = _fake_kernel(monkeypatch, oom_for_logged_pid=False)
+    rc, _, err = run_wrapper(capfdbinary, "--json", str(tmp_path / "r.json"), "--", PY, "-c", LAUNCHER, str(code))
+    assert rc == code
+    assert len(calls) == 1  # the kernel log is read for the worker's SIGKILL, whatever the command's exit status
+    rep = report(tmp_path / "r.json")
+    [k] = [f for f in rep["findings"] if f["id"] == "process.killed"]
+    assert k["severity"] == ("warn" if code == 0 else "fail")
+    assert "(-9): not the kernel's OOM killer" in k["title"] and "most likely" not in k["title"]
+    ev = " ".join(k["evidence"])
+    assert "torchdoctor run: kernel log (dmesg -T) has no OOM-killer entry" in ev and "MemAvailable never fell" in ev
+    assert "sacct" in k["fix"][0]
+    assert k["data"]["kills"][0]["pid"] in calls[0]  # the log's pid was looked up too
+
+
+@pytest.mark.parametrize("code,sev", [(0, "warn"), (1, "fail")])
+def test_a_sigkilled_worker_with_an_oom_line_is_confirmed(capfdbinary, tmp_path, monkeypatch, code, sev):
+    _fake_kernel(monkeypatch, oom_for_logged_pid=True)
+    rc, _, err = run_wrapper(capfdbinary, "--json", str(tmp_path / "r.json"), "--", PY, "-c", LAUNCHER, str(code))
+    rep = report(tmp_path / "r.json")
+    [k] = [f for f in rep["findings"] if f["id"] == "process.killed"]
+    assert k["severity"] == "fail" and "confirmed by the kernel log torchdoctor run read" in k["title"]
+    f = exit_finding(rep)
+    assert f["severity"] == sev and "the kernel's OOM killer killed a process of it" in f["title"]
+
+
+def test_the_reviewers_grandchild_kill_is_not_called_an_oom_kill(capfdbinary):
+    rc, out, err = run_wrapper(capfdbinary, "--", "sh", "-c", 'sh -c "kill -9 \\$\\$"; echo x')
+    assert rc == 0 and out == b"x\n"
+    if "(process.killed)" in err:  # the shell said "Killed" (dash, bash): judged with what run saw itself
+        assert "host RAM ran out" not in err
+        assert "not the kernel's OOM killer" in err or "host memory never ran low" in err
+
+
+def test_run_feeds_the_analyzer_blocks_of_lines_and_finds_what_logs_finds(capfdbinary, tmp_path, monkeypatch):
+    from torchdoctor.logs import analyze
+
+    calls = []
+    monkeypatch.setattr(analyze.Analyzer, "feed_line", lambda self, line: calls.append(line))
+    log = tmp_path / "train.log"
+    log.write_bytes((FIX / "clean_run.log").read_bytes() * 50 + (FIX / "hf_trainer_nan.log").read_bytes())
+    rc, out, err = run_wrapper(capfdbinary, "--json", str(tmp_path / "r.json"), "--", "cat", str(log))
+    assert rc == 0 and out == log.read_bytes()
+    assert calls == []  # not line by line (4x slower than `torchdoctor logs`)
+    rep = report(tmp_path / "r.json")
+    with open(log, "rb") as f:
+        want = analyze.analyze_stream(f)
+    got = [(f["id"], f["severity"], f["title"]) for f in rep["findings"] if f["id"] != "process.exit"]
+    assert got == [(f.id, f.severity, f.title) for f in want.findings]
+    assert rep["timeline"] == want.timeline
+
+
+def test_a_reader_that_goes_away_ends_the_command_like_a_pipe_does():
+    child = ("import signal, sys\nsignal.signal(signal.SIGPIPE, signal.SIG_DFL)  # like yes, cat, ...\n"
+             "while True:\n    sys.stdout.write('y' * 99 + '\\n')\n")
+    p = subprocess.Popen([*WRAPPER, "--", PY, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _read_until(p.stdout.fileno(), [b"y" * 99 + b"\n"])
+        p.stdout.close()  # `| head` has read enough
+        p.stdout = None
+        _, err = p.communicate(timeout=20)  # before: the wrapper drained the command's output forever
+    finally:
+        p.kill()
+    err = err.decode()
+    assert p.returncode == 128 + signal.SIGPIPE, err
+    assert "[INFO] ended by SIGPIPE after" in err and "nobody was reading its stdout" in err
+    assert "Traceback" not in err
+
+
+def test_nothing_measured_is_said_so_and_an_empty_output_is_worded_for_a_command(capfdbinary):
+    r = _result(exit_code=0, signal=None, peak_rss=0, peak_rss_t=None, child_maxrss=0)
+    f = wrap.exit_finding(r)
+    assert "peak RSS not measured" in f.title and "0 MiB" not in f.title
+    assert any(e.startswith("peak RSS: not measured") for e in f.evidence)
+    assert not any("ru_maxrss of the command; the samples" in e for e in f.evidence)
+    rc, _, err = run_wrapper(capfdbinary, "--", "true")
+    assert rc == 0 and "the command printed nothing" in err and "check the file name" not in err
+
+
+def test_one_signal_name_helper():
+    from torchdoctor.logs import analyze
+
+    assert not hasattr(wrap, "_signame") and not hasattr(analyze, "_signame")
+    assert wrap.signame is analyze.signal_name and analyze.signal_name(9) == "SIGKILL"
+
+
+def test_an_oom_kill_of_a_process_no_sample_saw_keeps_the_verdict_open(monkeypatch):
+    log = ("[Sun Nov 29 10:00:00 2026] Out of memory: Killed process 100 (old) total-vm:1kB\n"
+           "[Sun Nov 29 10:05:00 2026] Out of memory: Killed process 5012 (python) total-vm:30000000kB\n")
+    monkeypatch.setattr(wrap, "_run_quiet", lambda cmd, timeout: log if cmd[0] == "dmesg" else None)
+    k = wrap.read_kernel_oom({5000, 5001})
+    assert k.readable and k.oom_lines == [] and k.unseen_oom_lines == [log.splitlines()[1]]  # not the older pid 100
+    f = wrap.exit_finding(_result(pid=5000, pids_seen={5000, 5001}, kernel=k))
+    assert f.data["oom_killer"] is None and "the kernel's OOM killer is the usual cause" in f.title
+    assert any("newer processes it did not see" in e for e in f.evidence)
+    clean = wrap.read_kernel_oom({6000})
+    assert clean.unseen_oom_lines == []  # older than the command: not ours
+    assert wrap.exit_finding(_result(pid=6000, kernel=clean)).data["oom_killer"] is False

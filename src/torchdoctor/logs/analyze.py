@@ -6,9 +6,9 @@ Example usage::
 
     with open("train.log", "rb") as f:
         report = analyze_stream(f)              # constant memory, any size
-    a = Analyzer()
-    for line in proc.stdout:                     # a live run (``torchdoctor run``)
-        a.feed_line(line)
+    a = Analyzer(source="command")
+    for block in blocks_of_whole_lines:          # a live run (``torchdoctor run``): whole lines, any number
+        a.feed_block(block)
     report = a.finish()
     print(report.findings, report.timeline, report.to_json())
 
@@ -16,13 +16,14 @@ What it recognises is in :mod:`.patterns` (DeepSpeed fp16 loss scaling, non-fini
 progress bars, NCCL timeouts and errors, CUDA and host out-of-memory, killed ranks and launcher exit codes,
 CUDA/compiler build failures, DeepSpeed config assertions). All state is bounded: the timeline keeps its first and
 last ``TIMELINE_HEAD``/``TIMELINE_TAIL`` events (the rest are counted), the loss-scale history its first and last
-runs, every list of details a few dozen entries; counters are plain integers. ``feed_line`` / ``feed_bytes`` never
-raise: a log can hold anything, and a doctor that crashes on a strange byte loses the evidence.
+runs, every list of details a few dozen entries; counters are plain integers. ``feed_line`` / ``feed_block`` /
+``feed_bytes`` never raise: a log can hold anything, and a doctor that crashes on a strange byte loses the evidence.
 """
 
 from __future__ import annotations
 
 import codecs
+import io
 import re
 import signal as _signal
 from collections import Counter, deque
@@ -42,6 +43,8 @@ MAX_KEYS = 4096             # dedup sets stop growing here (later duplicates are
 CHUNK_BYTES = 1 << 20       # analyze_stream reads this much at a time
 MAX_LINE = 1 << 20          # a "line" longer than this (tqdm without newlines) is processed in pieces
 TEXT_MAX = 300              # characters of a line kept in the timeline and in evidence
+SEG_MAX = 8192              # a candidate segment longer than this is matched in a window around the candidate
+SEG_BEFORE = 2048           # ... starting this many characters before it (the rank, the key of a loss)
 
 _RULES = tuple((key, rx, name) for key, rx, name in P.RULES)
 _CURRENT = object()  # "the step the log is at now"
@@ -102,7 +105,8 @@ def _clip(text: str, n: int = TEXT_MAX) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-def _signame(sig: int) -> str:
+def signal_name(sig: int) -> str:
+    """``SIGKILL`` for 9; ``signal 77`` for a number that names no signal here."""
     return _SIGNAL_NAMES.get(sig, f"signal {sig}")
 
 
@@ -147,10 +151,16 @@ class Analyzer:
     read separately but keep the line's number. Steps come from the last progress bar (``28/189 [``) or
     DeepSpeed ``step=N, skipped=S`` line before an event, or from the event itself (``Grad overflow on iteration
     N``).
+
+    ``source`` words the findings for where the text came from: ``"log"`` (a file or stdin) or ``"command"`` (the
+    output of a command run by ``torchdoctor run``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, source: str = "log") -> None:
+        self._source = source
+        self._run: dict[str, Any] | None = None  # what `torchdoctor run` saw itself (set_run_evidence)
         self._lines = 0
+        self._midline = False      # text was read since the last newline (a line not counted yet)
         self._carry = ""
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._timeline = _HeadTail(TIMELINE_HEAD, TIMELINE_TAIL)
@@ -186,6 +196,9 @@ class Analyzer:
         self._last_drop_line = 0
         self._equal_streak = 0
         self._min_reached: str | None = None
+        self._min_value: float | None = None   # the scale judged to be the minimum
+        self._min_first: dict | None = None    # where it was first reached
+        self._at_min_line = 0                  # the last line that left the scale at that minimum
         self._min_raised: dict | None = None
         self._static_scale: float | None = None
         # losses
@@ -200,6 +213,7 @@ class Analyzer:
         self._nccl_timeout_keys: set = set()
         self._nccl_timeout_n = 0
         self._nccl_timeout_ranks: set[int] = set()
+        self._nccl_timeout_first: dict | None = None  # the lowest SeqNum of all timeouts: the collective that hung
         self._nccl_heartbeat: list[dict] = []
         self._nccl_abort_n = 0
         self._nccl_errors: list[dict] = []
@@ -247,6 +261,48 @@ class Analyzer:
         except Exception:  # noqa: BLE001
             self._internal_errors += 1
 
+    def feed_block(self, data: str | bytes, *, partial: bool = False) -> None:
+        """Many whole lines at once (``torchdoctor run`` feeds each read of a pipe this way). Never raises.
+
+        ``data`` ends with a newline (one is assumed when it does not, as ``feed_line`` does); bytes are decoded as
+        UTF-8 with replacement (split them at a newline: a character cut in two becomes U+FFFD). ``partial=True``
+        marks a piece of an overlong line that goes on in the next call: it is read and no line is counted. The
+        block goes straight to the chunk scanner of :func:`analyze_stream` -- same results as ``feed_line`` for
+        each of its lines, several times faster -- and is independent of ``feed_bytes``' pending partial line,
+        so several streams (stdout and stderr) can each be cut into whole lines and fed in any interleaving.
+        """
+        try:
+            text = str(data, "utf-8", "replace") if isinstance(data, (bytes, bytearray, memoryview)) else str(data)
+            if not text:
+                return
+            if not partial and text[-1] != "\n":
+                text += "\n"
+            self._scan(text, len(text))
+        except Exception:  # noqa: BLE001 -- a log line must never stop the run it watches
+            self._internal_errors += 1
+
+    def kills(self) -> list[dict]:
+        """The processes the log says were killed by a signal so far (``signum``, ``pid``, ``rank``, ``line``, ...)."""
+        return [dict(x) for x in self._exits if x["signum"] is not None]
+
+    def set_run_evidence(self, *, oom_killer: bool | None, memory_low: bool | None, evidence: list[str],
+                         exit_code: int | None = None, host: str | None = None) -> None:
+        """What ``torchdoctor run`` saw itself, for the ``process.killed`` finding of a SIGKILL in the log.
+
+        Args:
+            oom_killer: True: the kernel log names one of the command's processes in an OOM-killer line, or the
+                cgroup's oom_kill counter rose; False: the kernel log was read and has no such line and memory
+                never ran low; None: cannot tell.
+            memory_low: whether MemAvailable (or the tree's RSS against its cgroup limit) came near exhaustion in
+                the wrapper's samples; None: not sampled.
+            evidence: the lines that say so (shown under the finding).
+            exit_code: the command's own exit status (a SIGKILLed child of a command that then exits 0 is a
+                warning, not a failure).
+            host: the machine the evidence is about; a kill the log places on another host is not judged by it.
+        """
+        self._run = {"oom_killer": oom_killer, "memory_low": memory_low, "evidence": list(evidence),
+                     "exit_code": exit_code, "host": host}
+
     def finish(self) -> LogReport:
         """Flush what is pending (a last line without a newline) and judge. Safe to call more than once."""
         try:
@@ -267,17 +323,19 @@ class Analyzer:
         end = len(buf) if final else buf.rfind("\n") + 1
         if end:
             self._scan(buf, end)
-            if final and buf[end - 1] != "\n":
-                self._lines += 1
         self._carry = buf[end:]
         if len(self._carry) > MAX_LINE:  # no newline for a long time (a progress bar redrawn with \r only)
             cut = self._carry.rfind("\r") + 1 or len(self._carry)
             self._scan(self._carry, cut)
             self._carry = self._carry[cut:]
+        if final and self._midline:  # the last line had no newline: it counts too
+            self._lines += 1
+            self._midline = False
 
     def _scan(self, buf: str, end: int) -> None:
         """Handle buf[:end] (whole lines, or a piece of an overlong one): C-speed searches find the candidates."""
         pos = [m.start() for m in P.SCAN_RE.finditer(buf, 0, end)]
+        pos += [m.start() for m in P.EXIT_SCAN_RE.finditer(buf, 0, end)]
         pos += [m.start() for m in P.LOSS_SCAN_RE.finditer(buf, 0, end)]
         pos += [m.start() for m in P.NORM_SCAN_RE.finditer(buf, 0, end)]
         for needle in P.NEEDLES:
@@ -291,7 +349,9 @@ class Analyzer:
         for p in pos:
             if p < seg_end:
                 continue
-            ls = buf.rfind("\n", 0, p) + 1
+            # the segment around p: from the last \n or \r before it (never before the previous segment's end,
+            # so a line without newlines is not searched back to its start for every candidate) to the next one
+            ls = max(buf.rfind("\n", prev, p) + 1, prev)
             r = buf.rfind("\r", ls, p)
             s = r + 1 if r >= 0 else ls
             e = buf.find("\n", p, end)
@@ -300,6 +360,9 @@ class Analyzer:
             r = buf.find("\r", p, e)
             if r >= 0:
                 e = r
+            if e - s > SEG_MAX:  # a huge line (a blob, a bar without \r): match in a window around the candidate
+                s = max(s, p - SEG_BEFORE)
+                e = min(e, s + SEG_MAX)
             if prev < s:
                 self._progress_region(buf, prev, s)
             nl += buf.count("\n", counted, s)
@@ -314,6 +377,8 @@ class Analyzer:
             if start < end and P.FINITE_LOSS_RE.search(buf, start, end):
                 self._loss_recovered = True
         self._lines = base + nl + buf.count("\n", counted, end)
+        if end:
+            self._midline = buf[end - 1] != "\n"
 
     def _progress_region(self, buf: str, a: int, b: int) -> None:
         """Note the last progress bar / DeepSpeed step line in buf[a:b]; parsed only when a step is needed."""
@@ -336,11 +401,12 @@ class Analyzer:
 
     @staticmethod
     def _segment_around(buf: str, p: int) -> str:
-        ls = buf.rfind("\n", 0, p) + 1
+        lo, hi = max(0, p - SEG_BEFORE), min(len(buf), p + SEG_MAX)  # bounded, as in _scan
+        ls = max(buf.rfind("\n", lo, p) + 1, lo)
         r = buf.rfind("\r", ls, p)
         s = r + 1 if r >= 0 else ls
-        e = buf.find("\n", p)
-        e = len(buf) if e < 0 else e
+        e = buf.find("\n", p, hi)
+        e = hi if e < 0 else e
         r = buf.find("\r", p, e)
         return buf[s: r if r >= 0 else e]
 
@@ -496,6 +562,12 @@ class Analyzer:
                 self._min_reached = f"the loss scale stayed at {_fmt_scale(att)}: min_loss_scale reached"
         if new <= 1 and self._min_reached is None:
             self._min_reached = f"the loss scale fell to {_fmt_scale(new)} (DeepSpeed's default min_loss_scale is 1)"
+        if self._min_reached is not None:
+            if self._min_first is None:
+                self._min_value = new
+                self._min_first = {"line": lineno, "step": self._step}
+            if new <= (self._min_value or 0):
+                self._at_min_line = lineno
 
     # -------------------------------------------------------------------------------------- losses
     def _on_loss(self, m: re.Match, seg: str, lineno: int) -> None:
@@ -533,10 +605,12 @@ class Analyzer:
         self._nccl_timeout_n += 1
         if rank is not None and len(self._nccl_timeout_ranks) < MAX_KEYS:
             self._nccl_timeout_ranks.add(rank)
-        _add(self._nccl_timeouts, {
-            "line": lineno, "step": self._step, "rank": rank, "op": m["op"], "seq": int(m["seq"]),
-            "numel": int(m["numel"]) if m["numel"] else None, "timeout_ms": int(m["tmo"]) if m["tmo"] else None,
-            "ran_ms": int(m["ran"]) if m["ran"] else None, "text": _clip(seg)})
+        d = {"line": lineno, "step": self._step, "rank": rank, "op": m["op"], "seq": int(m["seq"]),
+             "numel": int(m["numel"]) if m["numel"] else None, "timeout_ms": int(m["tmo"]) if m["tmo"] else None,
+             "ran_ms": int(m["ran"]) if m["ran"] else None, "text": _clip(seg)}
+        _add(self._nccl_timeouts, d)
+        if self._nccl_timeout_first is None or d["seq"] < self._nccl_timeout_first["seq"]:
+            self._nccl_timeout_first = d
 
     def _on_nccl_heartbeat(self, m: re.Match, seg: str, lineno: int) -> None:
         self._event(lineno, "nccl-heartbeat-timeout", seg)
@@ -623,9 +697,10 @@ class Analyzer:
             return
         self._exit_n += 1
         self._event(lineno, "killed" if sig is not None else "exit", seg)
-        _add(self._exits, {"line": lineno, "step": self._step, "code": code, "signal": _signame(sig) if sig else None,
-                           "signum": sig, "pid": pid, "rank": rank if rank is not None else self._rank(seg),
-                           "host": host, "source": source, "text": _clip(seg)}, 64)
+        _add(self._exits, {"line": lineno, "step": self._step, "code": code,
+                           "signal": signal_name(sig) if sig else None, "signum": sig, "pid": pid,
+                           "rank": rank if rank is not None else self._rank(seg), "host": host,
+                           "source": source, "text": _clip(seg)}, 64)
 
     def _on_ds_exit(self, m: re.Match, seg: str, lineno: int) -> None:
         code = int(m.group(1))
@@ -752,8 +827,13 @@ class Analyzer:
                                f"{self._internal_errors} line(s) could not be analysed (skipped)",
                                data={"count": self._internal_errors}))
         if self._lines == 0:
-            out.append(Finding("logs.empty", "info", "the log is empty (0 lines)",
-                               evidence=["nothing to analyse: check the file name, or that the run wrote to it"]))
+            if self._source == "command":
+                out.append(Finding("logs.empty", "info", "the command printed nothing (no output to analyse)",
+                                   evidence=["nothing on its stdout or stderr: if it writes its log to a file, "
+                                             "run `torchdoctor logs FILE` on that file"]))
+            else:
+                out.append(Finding("logs.empty", "info", "the log is empty (0 lines)",
+                                   evidence=["nothing to analyse: check the file name, or that the run wrote to it"]))
         elif not any(f.severity in ("warn", "fail") for f in out):
             ev = [f"{self._lines} lines read; checked for fp16 loss-scale collapse, non-finite loss, NCCL timeouts and "
                   "errors, CUDA and host out-of-memory, killed processes, CUDA/compiler build failures"]
@@ -829,9 +909,32 @@ class Analyzer:
             "fp32 (torchdoctor.keep_fp32)",
         ]
         if self._min_reached is not None:
+            # Recovered: DeepSpeed did not give up, the scale rose again after the last time it sat at the
+            # minimum, and no non-finite loss is left unanswered after that. Otherwise it stayed there to the end.
+            mf = self._min_first or {}
+            nan_after = (self._loss_last is not None and self._loss_last["line"] > self._at_min_line
+                         and not self._loss_recovered)
+            recovered = (self._min_raised is None and self._last_increase_line > self._at_min_line
+                         and self._scale_last is not None and self._min_value is not None
+                         and self._scale_last > self._min_value and not nan_after)
+            data.update(recovered=recovered, min_scale=self._min_value, min_scale_first_line=mf.get("line"),
+                        min_scale_first_step=mf.get("step"), min_scale_last_line=self._at_min_line or None)
+            if recovered:
+                at = f"line {mf['line']}" + (f" (step {mf['step']})" if mf.get("step") is not None else "")
+                ev.append(f"the scale reached {_fmt_scale(self._min_value)} at {at}, last sat there at line "
+                          f"{self._at_min_line}, then rose again to {_fmt_scale(self._scale_last)}"
+                          + ("; the losses logged after it are finite" if self._loss_nf else ""))
+                title = (f"fp16 loss scale fell to {_fmt_scale(self._min_value)} at {at} but recovered to "
+                         f"{_fmt_scale(self._scale_last)}; {steps}")
+                return [Finding("fp16.loss-scale-collapse", "warn", title, ev, fix, data)]
             title = f"fp16 loss scale collapsed: {self._min_reached}"
             if self._min_raised:
                 title += "; the run stopped"
+            elif self._scale_last is not None and self._min_value is not None \
+                    and self._scale_last <= self._min_value:
+                title += ", and stayed there to the end of the log"
+            elif nan_after:
+                title += "; the losses logged after it are not finite"
             return [Finding("fp16.loss-scale-collapse", "fail", title, ev, fix, data)]
         if shrinking or many_skipped:
             why = (f"the loss scale kept falling ({_fmt_scale(self._scale_max)} -> {_fmt_scale(self._scale_last)}) "
@@ -910,11 +1013,16 @@ class Analyzer:
                 ev.append(f"'Some NCCL operations have failed or timed out' x{self._nccl_abort_n}: the ranks "
                           "took the process down")
             ranks = sorted(self._nccl_timeout_ranks)
-            ops = sorted({f"{x['op']} SeqNum={x['seq']}" for x in t})
-            if t:
-                x = t[0]
-                secs = f" after {x['ran_ms'] / 1000:.0f} s" if x["ran_ms"] else ""
-                title = (f"NCCL collective timed out: {', '.join(ops[:3])} on rank(s) "
+            first = self._nccl_timeout_first
+            if first is not None:
+                # collectives run in SeqNum order on every rank: the lowest one is where a rank stopped following
+                later = sorted({x["seq"] for x in t if x["seq"] != first["seq"]})
+                more = ""
+                if later:
+                    shown = ", ".join(map(str, later[:3])) + (", ..." if len(later) > 3 else "")
+                    more = f" (earliest; later SeqNum {shown} timed out too)"
+                secs = f" after {first['ran_ms'] / 1000:.0f} s" if first["ran_ms"] else ""
+                title = (f"NCCL collective timed out: {first['op']} SeqNum={first['seq']}{more} on rank(s) "
                          f"{', '.join(map(str, ranks[:16])) or '?'}{secs}")
             else:
                 title = "NCCL watchdog heartbeat timed out: a rank is hung"
@@ -930,6 +1038,7 @@ class Analyzer:
             ]
             out.append(Finding("comm.nccl-timeout", "fail", title, ev, fix,
                                {"count": self._nccl_timeout_n, "ranks": ranks[:256], "timeouts": list(t),
+                                "earliest": dict(first) if first is not None else None,
                                 "heartbeat_timeouts": list(self._nccl_heartbeat), "aborts": self._nccl_abort_n}))
         if self._nccl_error_n or (self._nccl_abort_n and not out):
             errs = self._nccl_errors
@@ -1015,16 +1124,14 @@ class Analyzer:
                 ev.append(f"line {self._cancel['line']}: {self._cancel['text']}")
             fix: list[str] = []
             sev = "fail"
+            # what `torchdoctor run` saw on this machine; a kill reported for another host is not covered by it
+            run = self._run
+            if run is not None and primary["host"] and run.get("host") and primary["host"] != run["host"]:
+                run = None
+            sched = ("check who else sends SIGKILL: the job scheduler's record (Slurm: sacct -j JOBID -o "
+                     "State,ExitCode,MaxRSS,ReqMem,Timelimit), a watchdog or parent process that kills its workers "
+                     "with kill -9")
             if sig == 9:
-                if self._cancel:
-                    cause = f"the job was cancelled by the scheduler ({self._cancel['reason'].lower()})"
-                elif self._host_oom_n:
-                    cause = "the kernel's OOM killer (confirmed by the log): host RAM ran out"
-                elif (self._cpu_mem_pct_max or 0) >= 80:
-                    cause = (f"most likely the kernel's OOM killer: host RAM ran out (DeepSpeed last reported "
-                             f"{self._cpu_mem_pct_max:g}% of host memory in use)")
-                else:
-                    cause = "most likely the kernel's OOM killer: host RAM ran out"
                 fix = [
                     "dmesg -T | grep -i oom (or journalctl -k | grep -i oom) on that host confirms an OOM kill",
                     "torchdoctor ds memory --params <N> --config ds.json estimates the host RAM per node for your ZeRO "
@@ -1033,6 +1140,31 @@ class Analyzer:
                     "with ZeRO-3, offload to NVMe instead of CPU, build the model under deepspeed.zero.Init (HF: "
                     "from_pretrained with the DeepSpeed config set up first), use fewer dataloader workers",
                 ]
+                if self._cancel:
+                    cause = f"the job was cancelled by the scheduler ({self._cancel['reason'].lower()})"
+                elif self._host_oom_n:
+                    cause = "the kernel's OOM killer (confirmed by the log): host RAM ran out"
+                elif run is not None and run["oom_killer"]:
+                    cause = "the kernel's OOM killer (confirmed by the kernel log torchdoctor run read): memory ran out"
+                    fix = fix[1:]
+                elif run is not None and run["oom_killer"] is False:
+                    cause = ("not the kernel's OOM killer: torchdoctor run found no OOM-killer entry for the "
+                             "command's processes in the kernel log, and memory never ran low -- something else sent "
+                             "SIGKILL")
+                    fix = [sched]
+                    if run.get("exit_code") == 0:
+                        sev = "warn"  # the command carried on and succeeded
+                elif run is not None and run["memory_low"] is False and (self._cpu_mem_pct_max or 0) < 80:
+                    cause = ("host memory never ran low while torchdoctor run watched, so the OOM killer is less "
+                             "likely than another sender (the kernel log, which would tell, could not be read)")
+                    fix = [fix[0], sched, *fix[1:]]
+                elif (self._cpu_mem_pct_max or 0) >= 80:
+                    cause = (f"most likely the kernel's OOM killer: host RAM ran out (DeepSpeed last reported "
+                             f"{self._cpu_mem_pct_max:g}% of host memory in use)")
+                else:
+                    cause = "most likely the kernel's OOM killer: host RAM ran out"
+                if run is not None:
+                    ev += run["evidence"]
             elif sig == 6:
                 cause = "an abort (a C++ exception: NCCL watchdog, CUDA error)"
                 if self._nccl_timeout_n or self._nccl_error_n:
@@ -1054,8 +1186,8 @@ class Analyzer:
                 fix = ["look for the first rank that failed; if a time limit stopped the job, raise it or resume "
                        "from a checkpoint"]
             else:
-                cause = f"signal {_signame(sig)}"
-            title = f"{who} was killed by {_signame(sig)} ({-sig}): {cause}"
+                cause = f"signal {signal_name(sig)}"
+            title = f"{who} was killed by {signal_name(sig)} ({-sig}): {cause}"
             out.append(Finding("process.killed", sev, title, ev, fix,
                                {"kills": kills, "host_oom": self._host_oom_n > 0, **data_common}))
         if exits:
@@ -1184,12 +1316,55 @@ def analyze_lines(lines: Iterable[str]) -> LogReport:
     return a.finish()
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+
+
 def open_log(path: str) -> BinaryIO:
     """Open a log for :func:`analyze_stream`: plain or gzip (by content, not by name)."""
     import gzip
 
     with open(path, "rb") as f:
         magic = f.read(2)
-    if magic == b"\x1f\x8b":
+    if magic == GZIP_MAGIC:
         return gzip.open(path, "rb")  # type: ignore[return-value]
     return open(path, "rb")  # noqa: SIM115 -- returned to the caller
+
+
+class _Prepended(io.RawIOBase):
+    """``head`` (bytes already read) followed by the rest of ``stream``: a pipe cannot be rewound after sniffing."""
+
+    def __init__(self, head: bytes, stream: BinaryIO) -> None:
+        super().__init__()
+        self._head, self._stream = head, stream
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if self._head:
+            n = min(len(b), len(self._head))
+            b[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        read1 = getattr(self._stream, "read1", None)  # what has arrived, without waiting for a full buffer
+        data = read1(len(b)) if read1 is not None else self._stream.read(len(b))
+        n = len(data)
+        b[:n] = data
+        return n
+
+
+def open_stream(stream: BinaryIO) -> BinaryIO:
+    """A binary stream (``sys.stdin.buffer``, a pipe) for :func:`analyze_stream`, gunzipped when it starts with the
+    gzip magic (``gzip -c train.log | torchdoctor logs -``). Sniffs by reading the first two bytes, so it works on
+    pipes (which cannot seek back); nothing is lost."""
+    import gzip
+
+    head = stream.read(2) or b""
+    if isinstance(head, str):  # a text stream: no gzip to find there
+        return stream
+    if len(head) == 1:  # a short read (a raw pipe): one more try for the second byte
+        head += stream.read(1) or b""
+    rest = _Prepended(bytes(head), stream)
+    if head == GZIP_MAGIC:
+        return gzip.GzipFile(fileobj=rest, mode="rb")  # type: ignore[return-value]
+    return rest  # type: ignore[return-value]

@@ -64,10 +64,10 @@ def condense(timeline: list[dict], max_groups: int = MAX_GROUPS) -> list[str]:
 
 
 def _analyze(path: str):
-    from .analyze import analyze_stream, open_log
+    from .analyze import analyze_stream, open_log, open_stream
 
-    if path == "-":
-        return analyze_stream(sys.stdin.buffer)
+    if path == "-":  # plain or gzip, sniffed like a file (gzip -c train.log | torchdoctor logs -)
+        return analyze_stream(open_stream(sys.stdin.buffer))
     with open_log(path) as f:
         return analyze_stream(f)
 
@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
             results.append((path, _analyze(path)))
         except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
-            print(f"torchdoctor logs: cannot read {path}: {why}", file=sys.stderr)
+            print(f"torchdoctor logs: cannot read {'standard input' if path == '-' else path}: {why}",
+                  file=sys.stderr)
             unreadable += 1
     failed = any(f.severity == "fail" for _, r in results for f in r.findings)
     code = EXIT_USAGE if unreadable else EXIT_PROBLEMS if failed else EXIT_OK

@@ -16,10 +16,10 @@ Sources (wording checked against the installed packages where they ship it):
   - transformers' Trainer log dicts (``{'loss': 'nan', 'grad_norm': 'inf', ...}``: 5.x formats floats as strings,
     4.x printed raw floats), tqdm postfixes (``loss=nan``), nvcc/gcc/ninja, bash/dmesg/slurm OOM-killer lines.
 
-Speed: a log is scanned in large chunks with a few C-speed searches (``SCAN_RE``, ``LOSS_SCAN_RE``,
-``NORM_SCAN_RE``, ``NEEDLES``) whose anchors start with characters that are rare in logs, so Python code runs
-only on the few lines that can matter; each of those is then matched against ``RULES`` (a cheap substring key
-before each regex).
+Speed: a log is scanned in large chunks with a few C-speed searches (``SCAN_RE``, ``EXIT_SCAN_RE``,
+``LOSS_SCAN_RE``, ``NORM_SCAN_RE``, ``NEEDLES``) whose anchors start with characters that are rare in logs, so
+Python code runs only on the few lines that can matter; each of those is then matched against ``RULES`` (a cheap
+substring key before each regex).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ SCAN_ANCHORS = (
     # memory
     "CUDA out of memory", "CUDA error: out of memory", "OutOfMemoryError", "Out of memory", "Killed", "OOM",
     "CPU Virtual Memory", "Max_MA",
-    # process exits
-    "xits with return code", "xitcode", "SIG", "CANCELLED", "xit code", "xited with",
+    # process exits (the "exitcode" family is EXIT_SCAN_RE)
+    "SIG", "CANCELLED",
     # builds
     "Installed CUDA version", "GNU version", "We need GCC", "vcc fatal", "ja: build stopped",
     "Error building extension", "CUDA op(s)", "CUDA was not found", "The detected CUDA version",
@@ -60,7 +60,23 @@ SCAN_ANCHORS = (
     # DeepSpeed config assertions
     "_batch_size is not equal",
 )
-SCAN_RE = re.compile("|".join(re.escape(a) for a in SCAN_ANCHORS))
+
+
+def _by_first_char(words: tuple[str, ...]) -> str:
+    """``a|b|...`` grouped by first character (``O(?:VERFLOW|OM|...)|...``): at a position whose character starts
+    an anchor, `re` then tries one branch per first character instead of every anchor (25% faster on real logs,
+    2.5x on a run of such a character)."""
+    groups: dict[str, list[str]] = {}
+    for w in words:
+        groups.setdefault(w[0], []).append(w[1:])
+    return "|".join(re.escape(c) + (f"(?:{'|'.join(map(re.escape, rest))})" if len(rest) > 1 else re.escape(rest[0]))
+                    for c, rest in groups.items())
+
+
+SCAN_RE = re.compile(_by_first_char(SCAN_ANCHORS))
+#: Process exits, searched on their own: one shared prefix is found by a fast literal search, where inside SCAN_RE
+#: every "x" (a line of x's: 20 MB/s) made `re` try them.
+EXIT_SCAN_RE = re.compile(r"xit(?:s with return code|code| code|ed with)")
 _NONFINITE = r"(?:tensor\()?[-+]?(?i:nan|inf(?:inity)?)(?![\w.])"
 #: ``loss': nan`` / ``"loss": NaN`` / ``loss=nan`` / ``loss: inf`` / ``train_loss = -inf`` (anchored on "oss").
 LOSS_SCAN_RE = re.compile(r"""oss['"]?[ \t]*[:=][ \t]*['"]?""" + _NONFINITE)

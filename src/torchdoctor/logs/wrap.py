@@ -5,13 +5,22 @@ log just stops. Only something *outside* the process can say what happened, so t
 command as a child and watches it:
 
 * its stdout and stderr pass through unchanged (byte for byte, chunk by chunk as they arrive, so a
-  ``\\r`` progress bar is not held back), are appended to a log file if asked, and are fed line by line
-  to the log :class:`~torchdoctor.logs.analyze.Analyzer`;
+  ``\\r`` progress bar is not held back), are appended to a log file if asked, and are fed to the log
+  :class:`~torchdoctor.logs.analyze.Analyzer` in blocks of whole lines, each stream cut on its own
+  (``Analyzer.feed_block``: as fast as ``torchdoctor logs``);
+* when the reader of our stdout (or stderr) goes away (``torchdoctor run ... | head``), that pipe of the
+  command is closed, so its next write there fails (SIGPIPE, or EPIPE) just as in a plain shell pipeline --
+  the command is not kept running with nobody reading its output;
 * every ``interval`` seconds it sums ``VmRSS`` over the child's whole process tree (found through the
   ``ppid`` field of ``/proc/*/stat``, so torchrun's workers count) and reads ``MemAvailable`` and
   ``MemTotal``; it keeps the peak tree RSS and the lowest MemAvailable, with their times;
-* when the child dies by a signal it reads the kernel log (best effort: ``dmesg -T``, ``/dev/kmsg``,
-  ``journalctl -k``) and the cgroup's ``oom_kill`` counter for evidence of the OOM killer.
+* when the command fails or is killed, when its output says one of its processes was SIGKILLed (a worker,
+  a grandchild: even if the command then exits 0), or when the cgroup's ``oom_kill`` counter rose, it reads
+  the kernel log (best effort: ``dmesg -T``, ``/dev/kmsg``, ``journalctl -k``) for OOM-killer lines about
+  the processes it saw and those the output names. That evidence, with the samples, goes to the analyzer's
+  ``process.killed`` finding (``Analyzer.set_run_evidence``): a logged SIGKILL is blamed on the OOM killer
+  only when the kernel says so, and is said not to be the OOM killer when the kernel log is readable without
+  such a line and memory never ran low.
 
 The child runs in its own process group; SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to us are forwarded
 to that whole group (so torchrun and all its workers get a Ctrl-C exactly once), the third SIGINT sends
@@ -29,6 +38,7 @@ import select
 import selectors
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -37,8 +47,9 @@ from typing import Any
 
 from .._system import GIB, MIB, cgroup_memory, fmt_bytes, read_meminfo, read_text
 from ..findings import Finding
+from .analyze import signal_name as signame
 
-_READ_CHUNK = 65536
+_READ_CHUNK = 65536  # a pipe's default capacity: one read takes what it holds
 _MAX_PARTIAL_LINE = 1 << 20  # a "line" longer than this is fed to the analyzer in pieces
 _MAX_SAMPLES = 4000  # memory samples kept for --json; older ones are thinned, never the peaks
 _DRAIN_IDLE_S = 1.0  # after the child exits: stop reading once the pipes are idle this long ...
@@ -131,6 +142,9 @@ class KernelLog:
     oom_lines: list[str] = field(default_factory=list)  # OOM-killer lines that name one of our pids
     memcg: str | None = None  # the cgroup whose limit ran out (CONSTRAINT_MEMCG); None: the machine's RAM
     memcg_limit: int | None = None
+    # OOM-killer lines about *other* pids at least as new as the command (pids grow): perhaps a short-lived
+    # process of the command that no sample saw -- while there are any, a missing line proves nothing
+    unseen_oom_lines: list[str] = field(default_factory=list)
 
 
 def memcg_limit(path: str) -> int | None:
@@ -194,6 +208,19 @@ def parse_oom_lines(text: str, pids: set[int]) -> tuple[list[str], str | None]:
     return lines[-4:], memcg
 
 
+def _newer_oom_lines(text: str, pids: set[int]) -> list[str]:
+    """OOM-killer lines (the last 4) about pids not in ``pids`` but not older than the oldest of them."""
+    first = min(pids)
+    out = []
+    for line in text.splitlines():
+        m = _OOM_LINE.search(line)
+        if m:
+            pid = int(next(g for g in m.groups() if g))
+            if pid >= first and pid not in pids:
+                out.append(line.strip())
+    return out[-4:]
+
+
 def read_kernel_oom(pids: set[int]) -> KernelLog:
     """The kernel's OOM-killer lines about ``pids``, from the first kernel log we are allowed to read."""
     sources = (
@@ -206,7 +233,8 @@ def read_kernel_oom(pids: set[int]) -> KernelLog:
         if text is None:
             continue
         lines, memcg = parse_oom_lines(text, pids)
-        return KernelLog(True, name, lines, memcg, memcg_limit(memcg) if memcg else None)
+        unseen = _newer_oom_lines(text, pids) if not lines and pids else []
+        return KernelLog(True, name, lines, memcg, memcg_limit(memcg) if memcg else None, unseen)
     return KernelLog(False, "kernel log not readable (dmesg -T, /dev/kmsg and journalctl -k refused or absent)")
 
 
@@ -241,10 +269,11 @@ class RunResult:
     timeline: list[dict]
     kernel: KernelLog | None = None
     findings: list[Finding] = field(default_factory=list)
+    reader_gone: tuple[str, float] | None = None  # ("stdout" or "stderr", seconds): our reader of it went away
 
     @property
     def signal_name(self) -> str | None:
-        return _signame(self.signal) if self.signal else None
+        return signame(self.signal) if self.signal else None
 
     def to_json(self) -> dict[str, Any]:
         def gib(b: int | None) -> float | None:
@@ -269,13 +298,6 @@ class RunResult:
         }
 
 
-def _signame(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
-
-
 def _write_all(fd: int, data: bytes) -> bool:
     """Write everything; False when the reader is gone (EPIPE) so the caller stops writing there."""
     view = memoryview(data)
@@ -292,22 +314,38 @@ def _write_all(fd: int, data: bytes) -> bool:
 
 
 class _Lines:
-    """Splits one byte stream into ``\\n`` lines for the analyzer (which reads ``\\r`` segments itself)."""
+    """Cuts one byte stream into blocks of whole ``\\n`` lines for the analyzer (which reads ``\\r`` segments
+    itself): each read of the pipe becomes one block (the lines it completes), the unfinished last line waits
+    for the next read. A line longer than ``_MAX_PARTIAL_LINE`` is handed on in pieces, cut after a ``\\r``
+    where there is one."""
 
     def __init__(self) -> None:
-        self.partial = b""
+        self.parts: list[bytes] = []  # the unfinished line, as read (joined only when it ends: no quadratic copies)
+        self.size = 0
 
-    def feed(self, data: bytes) -> list[str]:
-        parts = (self.partial + data).split(b"\n")
-        self.partial = parts.pop()
-        if len(self.partial) > _MAX_PARTIAL_LINE:
-            parts.append(self.partial)
-            self.partial = b""
-        return [p.decode("utf-8", "replace") for p in parts]  # blank lines too: the analyzer numbers lines
+    def feed(self, data: bytes) -> list[tuple[bytes, bool]]:
+        """``(block, partial)`` pairs for :meth:`Analyzer.feed_block`."""
+        out: list[tuple[bytes, bool]] = []
+        cut = data.rfind(b"\n") + 1
+        if cut:
+            block = b"".join((*self.parts, data[:cut])) if self.parts else data[:cut]
+            self.parts, self.size = [], 0
+            out.append((block, False))
+            data = data[cut:]
+        if data:
+            self.parts.append(data)
+            self.size += len(data)
+            if self.size > _MAX_PARTIAL_LINE:
+                rest = b"".join(self.parts)
+                r = rest.rfind(b"\r") + 1 or len(rest)
+                out.append((rest[:r], True))
+                self.parts, self.size = ([rest[r:]], len(rest) - r) if r < len(rest) else ([], 0)
+        return out
 
-    def flush(self) -> list[str]:
-        rest, self.partial = self.partial, b""
-        return [rest.decode("utf-8", "replace")] if rest else []
+    def flush(self) -> list[tuple[bytes, bool]]:
+        rest = b"".join(self.parts)
+        self.parts, self.size = [], 0
+        return [(rest, False)] if rest else []
 
 
 class _Analysis:
@@ -319,19 +357,34 @@ class _Analysis:
         try:
             from .analyze import Analyzer
 
-            self.analyzer = Analyzer()
+            self.analyzer = Analyzer(source="command")
         except Exception as e:  # noqa: BLE001 -- reported as a finding, the run goes on
             self.error = f"cannot start the log analyzer: {type(e).__name__}: {e}"
 
-    def feed(self, lines: list[str]) -> None:
+    def feed(self, blocks: list[tuple[bytes, bool]]) -> None:
         if self.analyzer is None:
             return
         try:
-            for line in lines:
-                self.analyzer.feed_line(line)
+            for block, partial in blocks:
+                self.analyzer.feed_block(block, partial=partial)
         except Exception as e:  # noqa: BLE001
             self.error = f"the log analyzer failed on a line: {type(e).__name__}: {e}"
             self.analyzer = None
+
+    def kills(self) -> list[dict]:
+        if self.analyzer is not None:
+            try:
+                return self.analyzer.kills()
+            except Exception as e:  # noqa: BLE001
+                self.error = f"the log analyzer failed at the end: {type(e).__name__}: {e}"
+        return []
+
+    def set_run_evidence(self, **kw: Any) -> None:
+        if self.analyzer is not None:
+            try:
+                self.analyzer.set_run_evidence(**kw)
+            except Exception as e:  # noqa: BLE001
+                self.error = f"the log analyzer failed at the end: {type(e).__name__}: {e}"
 
     def finish(self) -> tuple[list[Finding], list[dict]]:
         if self.analyzer is not None:
@@ -426,7 +479,7 @@ class _Signals:
                 os.write(2, b"\ntorchdoctor run: third interrupt -- sending SIGKILL to the command\n")
                 self.killed_by_us = True
                 sig = signal.SIGKILL
-        self.forwarded.append((time.monotonic() - self.start, _signame(sig)))
+        self.forwarded.append((time.monotonic() - self.start, signame(sig)))
         self._send(sig)
 
     def _stop(self, sig: int, frame: Any) -> None:  # Ctrl-Z: stop the command, then ourselves
@@ -490,10 +543,12 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         next_sample = start + interval
 
         sel = selectors.DefaultSelector()
-        outputs = {proc.stdout.fileno(): [out_fd, _Lines()], proc.stderr.fileno(): [err_fd, _Lines()]}
+        outputs = {proc.stdout.fileno(): [out_fd, _Lines(), proc.stdout, "stdout"],
+                   proc.stderr.fileno(): [err_fd, _Lines(), proc.stderr, "stderr"]}
         for fd in outputs:
             sel.register(fd, selectors.EVENT_READ)
         exited_at = last_data = None
+        reader_gone: tuple[str, float] | None = None
         while outputs:
             now = time.monotonic()
             if status is None:
@@ -512,15 +567,14 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
                     data = os.read(fd, _READ_CHUNK)
                 except OSError:
                     data = b""
-                dest, lines = outputs[fd]
+                dest, lines, pipe, name = outputs[fd]
                 if not data:
                     analysis.feed(lines.flush())
                     sel.unregister(fd)
                     del outputs[fd]
                     continue
                 last_data = time.monotonic()
-                if dest is not None and not _write_all(dest, data):
-                    outputs[fd][0] = None  # our reader went away: keep draining into the log and analyzer
+                gone = dest is not None and not _write_all(dest, data)
                 if log_file is not None:
                     try:
                         log_file.write(data)
@@ -528,7 +582,17 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
                     except OSError:
                         log_file = None
                 analysis.feed(lines.feed(data))
-        for _, lines in outputs.values():
+                if gone:
+                    # Our reader went away (`torchdoctor run ... | head`): close this pipe, so the command's next
+                    # write to it fails (SIGPIPE, or EPIPE where it ignores SIGPIPE) as it would with no
+                    # torchdoctor in between -- rather than running on with nobody reading its output.
+                    analysis.feed(lines.flush())
+                    sel.unregister(fd)
+                    del outputs[fd]
+                    pipe.close()
+                    if reader_gone is None:
+                        reader_gone = (name, last_data - start)
+        for _, lines, _, _ in outputs.values():
             analysis.feed(lines.flush())
         sel.close()
         if status is None:
@@ -556,17 +620,31 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         peak, peak_t, procs = child_maxrss, None, 1
     _, oom_after = cgroup_memory()
     oom_kills = None if oom_before is None or oom_after is None else oom_after - oom_before
-    log_findings, timeline = analysis.finish()
     result = RunResult(
         argv=list(argv), pid=proc.pid, exit_code=code, signal=sig, duration_s=end - start,
         peak_rss=peak, peak_rss_t=peak_t, peak_rss_procs=procs, child_maxrss=child_maxrss,
         mem_total=mem.total, min_available=mem.min_avail, min_available_t=mem.min_avail_t,
         cgroup_limit=cg_limit, cgroup_oom_kills=oom_kills, pids_seen=mem.pids_seen,
         forwarded=sigs.forwarded, killed_by_us=sigs.killed_by_us, interval=interval,
-        samples=mem.samples, log_findings=log_findings, timeline=timeline,
+        samples=mem.samples, log_findings=[], timeline=[], reader_gone=reader_gone,
     )
-    if code != 0:
-        result.kernel = read_kernel_oom(result.pids_seen)
+    # The kernel log is read (it can take a few seconds) when the command failed or was killed, when its output
+    # says a process of it was SIGKILLed (a worker, a grandchild -- whatever the command's own exit status), and
+    # when the cgroup's oom_kill counter rose.
+    sigkilled = [k for k in analysis.kills() if k["signum"] == signal.SIGKILL]
+    if code != 0 or sigkilled or oom_kills:
+        result.kernel = read_kernel_oom(result.pids_seen | {k["pid"] for k in sigkilled if k["pid"]})
+    if sigkilled:  # the log's process.killed finding is judged with what we saw ourselves
+        confirmed, oom_ev = _oom_evidence(result)
+        low = _memory_low(result)
+        ev = list(oom_ev)
+        if low is False:
+            ev.append(_not_low_phrase(result))
+        if confirmed is False and low is not False:
+            confirmed = None  # no kernel line for the pids we know, but memory did run low: cannot rule it out
+        analysis.set_run_evidence(oom_killer=confirmed, memory_low=low, evidence=[f"torchdoctor run: {e}" for e in ev],
+                                  exit_code=code, host=socket.gethostname())
+    result.log_findings, result.timeline = log_findings, timeline = analysis.finish()
     result.findings = [exit_finding(result)]
     mf = memory_finding(result)
     if mf is not None:
@@ -624,7 +702,29 @@ def _ram(r: RunResult) -> tuple[int | None, str]:
     return r.mem_total, "RAM"
 
 
+def _memory_low(r: RunResult) -> bool | None:
+    """Did the samples see memory nearly run out (MemAvailable under 10% of MemTotal, or the tree's RSS within
+    10% of a cgroup limit)? None when nothing was sampled."""
+    if r.min_available is None and not r.peak_rss:
+        return None
+    total, what = _ram(r)
+    low_avail = r.min_available is not None and bool(r.mem_total) and r.min_available < 0.1 * r.mem_total
+    near_limit = what == "cgroup limit" and bool(total) and r.peak_rss > 0.9 * total
+    return low_avail or near_limit
+
+
+def _not_low_phrase(r: RunResult) -> str:
+    total, what = _ram(r)
+    s = (f"MemAvailable never fell below {fmt_bytes(r.min_available)} of {fmt_bytes(r.mem_total)}"
+         if r.min_available is not None else "memory was never low")
+    if what == "cgroup limit" and total:
+        s += f", and the process tree stayed under 90% of its {fmt_bytes(total)} cgroup limit"
+    return s + f" (sampled every {r.interval:g} s)"
+
+
 def _peak_phrase(r: RunResult) -> str:
+    if not r.peak_rss:
+        return "peak RSS not measured: it ended before the first sample"
     total, what = _ram(r)
     s = f"peak RSS {fmt_bytes(r.peak_rss)}"
     if total:
@@ -638,9 +738,12 @@ def _memory_evidence(r: RunResult) -> list[str]:
         ev.append(f"peak RSS of the process tree: {fmt_bytes(r.peak_rss)} at {r.peak_rss_t:.1f} s "
                   f"({r.peak_rss_procs} process{'es' if r.peak_rss_procs != 1 else ''}; sum of VmRSS sampled "
                   f"every {r.interval:g} s, shared pages counted once per process)")
-    else:
+    elif r.peak_rss:
         ev.append(f"peak RSS: {fmt_bytes(r.peak_rss)} (the kernel's ru_maxrss of the command; the samples every "
                   f"{r.interval:g} s saw less)")
+    else:
+        ev.append("peak RSS: not measured (the command ended before the first sample found its processes, and "
+                  "the kernel's ru_maxrss cannot be told apart from torchdoctor's own)")
     if r.min_available is not None:
         at = f" at {r.min_available_t:.1f} s" if r.min_available_t is not None else ""
         ev.append(f"lowest MemAvailable: {fmt_bytes(r.min_available)} of {fmt_bytes(r.mem_total)} MemTotal{at}")
@@ -663,6 +766,10 @@ def _oom_evidence(r: RunResult) -> tuple[bool | None, list[str]]:
             if k.memcg:
                 ev.append(f"the OOM kill was confined to the cgroup {k.memcg} (CONSTRAINT_MEMCG, limit "
                           f"{fmt_bytes(k.memcg_limit)}): a job/container memory limit ran out, not the machine's RAM")
+        elif k.unseen_oom_lines:
+            ev.append(f"kernel log ({k.source}) has no OOM-killer entry for the processes torchdoctor saw, but it "
+                      "has some for newer processes it did not see (short-lived ones of this command?):")
+            ev += [f"kernel ({k.source}): {line}" for line in k.unseen_oom_lines]
         else:
             confirmed = False
             ev.append(f"kernel log ({k.source}) has no OOM-killer entry for this command's processes")
@@ -680,14 +787,27 @@ def exit_finding(r: RunResult) -> Finding:
             "peak_rss_bytes": r.peak_rss, "min_available_bytes": r.min_available, "mem_total_bytes": r.mem_total}
     ev = [f"command: {cmd}", f"pid {r.pid}, ran {d:.1f} s"]
     ev += [f"forwarded {name} at {t:.1f} s" for t, name in r.forwarded]
+    confirmed, oom_ev = _oom_evidence(r)
     if r.signal is None and r.exit_code == 0:
+        if confirmed:  # the command survived it (a worker restarted, a subprocess retried) -- still worth saying
+            data["oom_killer"] = True
+            return Finding("process.exit", "warn", f"exited 0 after {d:.1f} s, but the kernel's OOM killer killed a "
+                           f"process of it ({_peak_phrase(r)})", evidence=ev + _memory_evidence(r) + oom_ev,
+                           fix=list(MEMORY_FIXES), data=data)
         return Finding("process.exit", "ok", f"exited 0 after {d:.1f} s ({_peak_phrase(r)})",
                        evidence=ev + _memory_evidence(r), data=data)
-    confirmed, oom_ev = _oom_evidence(r)
     data["oom_killer"] = confirmed
     ev += _memory_evidence(r)
     if r.signal is not None or confirmed:  # "no OOM line" is noise for a plain `exit 1`
         ev += oom_ev
+    if r.reader_gone is not None and (r.signal == signal.SIGPIPE or r.signal is None) and not confirmed:
+        what, t = r.reader_gone
+        how = (f"ended by SIGPIPE after {d:.1f} s" if r.signal is not None else
+               f"exited with code {r.exit_code} after {d:.1f} s")
+        ev.append(f"torchdoctor's {what} reader went away at {t:.1f} s (e.g. `| head`): torchdoctor closed the "
+                  f"command's {what} pipe, so its next write there failed, as in a shell pipeline without torchdoctor")
+        return Finding("process.exit", "info", f"{how}: nobody was reading its {what} any more", evidence=ev,
+                       data={**data, "reader_gone": what})
     if r.signal is None:
         if confirmed:
             return Finding("process.exit", "fail",

@@ -17,7 +17,10 @@ forwarded to that whole group, so torchrun and its workers get one Ctrl-C; a thi
 ``PYTHONUNBUFFERED=1`` unless set (its stdout is a pipe now, and Python would otherwise hold prints back), and
 with no stdin when torchdoctor's stdin is a terminal (a background process group reading the terminal would be
 stopped by the kernel: an interactive ``pdb`` needs the command run directly). Its output is passed on chunk by
-chunk as it arrives (a ``\r`` progress bar is not held back until a newline).
+chunk as it arrives (a ``\\r`` progress bar is not held back until a newline). When whoever reads torchdoctor's
+stdout goes away (``torchdoctor run -- CMD | head``), the command's stdout pipe is closed: its next write fails
+(SIGPIPE, exit 141; EPIPE for programs that ignore SIGPIPE, like Python's BrokenPipeError), as in a shell
+pipeline without torchdoctor, and the findings still go to stderr.
 
 Exit status: the command's own (128 + N when signal N killed it), 127 when it is not found, 126 when it
 cannot be executed, 2 for bad usage (no command, an unwritable --log or --json file).
