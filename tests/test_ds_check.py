@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,9 +57,9 @@ def test_malformed_json_names_file_line_column_and_shows_the_line():
     with pytest.raises(ConfigError) as e:
         load(path)
     lines = str(e.value).split("\n")
-    assert lines[0] == f"{path}:3:3: Expecting ',' delimiter"
-    assert lines[1] == '      "gradient_accumulation_steps": 1'
-    assert lines[2] == "      ^"
+    assert lines[0] == f"{path}:3:3: invalid JSON: Expecting ',' delimiter"
+    assert lines[1] == '    line 3:   "gradient_accumulation_steps": 1'
+    assert lines[2] == "              ^"
 
 
 def test_duplicate_key_is_an_error_at_its_second_occurrence():
@@ -70,7 +72,7 @@ def test_duplicate_key_is_an_error_at_its_second_occurrence():
 
 
 @pytest.mark.parametrize("name, needle", [
-    ("comment.json", "comment.json:3:3: Expecting property name enclosed in double quotes (a comment"),
+    ("comment.json", "comment.json:3:3: invalid JSON: Expecting property name enclosed in double quotes (a comment"),
     ("trailing_comma.json", "(a trailing comma: remove the ',' before it)"),
     ("array.json", "array.json: the top level is an array; a DeepSpeed config is a JSON object"),
     ("missing.json", "missing.json: no such file"),
@@ -401,6 +403,56 @@ def test_with_hf_only_the_keys_hf_fills_may_be_auto():
     assert [f.id for f in lint(load(str(FIX / "hf_auto.json")), for_="hf")] == ["config.ok"]
 
 
+# "auto" where DeepSpeed's own default is "auto": DeepSpeed reads it itself, nothing for the HF Trainer to fill
+DS_OWN_AUTO = [
+    {"pipeline": {"stages": "auto"}},  # runtime/config.py get_pipeline_config
+    {"data_types": {"keep_in_fp32_modules": "auto"}},  # constants.py KEEP_IN_FP32_MODULES_DEFAULT
+    {"zero_optimization": {"stage": 2, "zenflow": {"select_strategy": "auto", "select_interval": "auto",
+                                                   "update_interval": "auto"}}},  # ZenFlowConfig defaults
+    {"expert_parallel": {"enabled": True, "score_apply": "auto", "combine_impl": "auto", "row_weighting_impl": "auto",
+                         "score_func": "auto", "top_k": "auto", "routed_scaling_factor": "auto"}},
+]
+
+
+@pytest.mark.parametrize("cfg", DS_OWN_AUTO)
+@pytest.mark.parametrize("for_", config_check.FOR_CHOICES)
+def test_auto_that_is_deepspeeds_own_default_is_not_flagged(cfg, for_):
+    findings = lint({**BASE, **cfg}, for_=for_)
+    assert not of(findings, "config.auto-outside-hf"), [f.title for f in findings]
+    assert [f.id for f in findings] == ["config.ok"]
+
+
+def test_auto_elsewhere_in_the_same_blocks_is_still_flagged():
+    f = one(lint({**BASE, "pipeline": {"partition": "auto"}, "data_types": {"keep_in_fp32_modules": ["auto"]}}),
+            "config.auto-outside-hf")
+    assert f.data["passed_on"] == ["pipeline.partition", "data_types.keep_in_fp32_modules[0]"]
+
+
+def test_deepspeeds_own_auto_keys_come_from_deepspeed_and_match_the_bundled_copy(monkeypatch, fresh_schema):
+    pytest.importorskip("deepspeed")
+    t = config_check.deepspeed_tables()
+    assert "data_types.keep_in_fp32_modules" in t["auto"]["config"] and "pipeline.stages" in t["auto"]["pipeline"]
+    if t["version"] == config_check.FALLBACK_VERSION:
+        assert t["auto"] == config_check._FALLBACK_DS_AUTO
+    assert config_check.schema().ds_auto == {k for keys in t["auto"].values() for k in keys}
+    # without deepspeed the bundled copy gives the same verdicts
+    config_check.schema.cache_clear()
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    assert not config_check.schema().from_deepspeed
+    for cfg in DS_OWN_AUTO:
+        assert [f.id for f in lint({**BASE, **cfg})] == ["config.ok"]
+
+
+def test_a_moved_private_reader_keeps_the_bundled_auto_keys(monkeypatch):
+    pytest.importorskip("deepspeed")
+
+    def moved():
+        raise AttributeError("get_pipeline_config")
+
+    monkeypatch.setattr(config_check, "_auto_in_pipeline", moved)
+    assert config_check._ds_auto_from_deepspeed()["pipeline"] == ("pipeline.stages",)
+
+
 @pytest.mark.parametrize("cfg, ws, severity, needle", [
     ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 4, "fail",
      '"gradient_accumulation_steps": 4  (keeps train_batch_size 64)'),
@@ -601,7 +653,7 @@ def test_cli_json(machine, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["malformed.json"], "malformed.json:3:3: Expecting ',' delimiter"),
+    (["malformed.json"], "malformed.json:3:3: invalid JSON: Expecting ',' delimiter"),
     (["nope.json"], "nope.json: no such file"),
     (["array.json"], "the top level is an array"),
     (["good.json", "--world-size", "0"], "--world-size: 0 is not a positive number of ranks"),
@@ -647,3 +699,165 @@ def test_junk_values_reach_the_rules_without_crashing(junk):
             findings = lint(cfg, world_size=4, for_=for_, libaio=None)
             assert findings
             json.dumps([f.to_json() for f in findings])
+
+
+# -- every value a fix suggests is one the check accepts ----------------------------------------------------------
+
+_COLON = re.compile(r"\s*:\s*")
+_NEXT_MEMBER = re.compile(r"\s*,\s*(?=\")")
+_SNIPPET_START = re.compile(r'(?:^|: |e\.g\. |or |keep one: |then )(?=")')
+
+
+def snippets(line: str) -> list[dict]:
+    """The JSON members a fix line suggests, each run of them as a dict to merge at the top level of the config:
+    'set it to ..., e.g. "fp16": {"min_loss_scale": 1}' -> [{"fp16": {"min_loss_scale": 1}}]. Runs that are not
+    JSON ('"params": {...}') are skipped."""
+    out = []
+    dec = json.JSONDecoder()
+    for m in _SNIPPET_START.finditer(line):
+        members, j = {}, m.end()
+        try:
+            while True:
+                key, j = json.decoder.scanstring(line, j + 1)
+                colon = _COLON.match(line, j)
+                if not colon:
+                    raise ValueError("no colon")
+                members[key], j = dec.raw_decode(line, colon.end())
+                more = _NEXT_MEMBER.match(line, j)
+                if not more:
+                    break
+                j = more.end()
+        except ValueError:
+            continue
+        out.append(members)
+    return out
+
+
+def merge(base: dict, patch: dict) -> dict:
+    out = dict(base)
+    for k, v in patch.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def leaves(d: dict, prefix: str = "", moved: object = None) -> list[str]:
+    """Dotted paths of the values in ``d``; a block equal to ``moved`` (the user's own block, renamed or moved by
+    the fix with its content) is one path: what is inside is the user's, with findings of its own."""
+    out = []
+    for k, v in d.items():
+        descend = isinstance(v, dict) and v and not (isinstance(moved, dict) and v == moved)
+        out += leaves(v, f"{prefix}{k}.", moved) if descend else [prefix + k]
+    return out
+
+
+def value_at(cfg: dict, dotted: str | None) -> object:
+    v: object = cfg
+    for part in (dotted or "").split("."):
+        v = v.get(part) if isinstance(v, dict) else None
+    return v
+
+
+def test_snippets_reads_the_fix_formats():
+    assert snippets('set it to an integer, e.g. "fp16": {"min_loss_scale": 1}') == [{"fp16": {"min_loss_scale": 1}}]
+    assert snippets('"fp16": {"enabled": true, "loss_scale": 0}, "bf16": {"enabled": false}  (fp16 with dynamic') == [
+        {"fp16": {"enabled": True, "loss_scale": 0}, "bf16": {"enabled": False}}]
+    assert snippets('"scheduler": {"type": "WarmupLR", "params": {...}}') == []
+    assert snippets('remove "bf16.xyz" ("bf16" accepts: enabled)') == []
+    assert snippets('rename it: "zero_optimization": {"stage": 2}') == [{"zero_optimization": {"stage": 2}}]
+
+
+def assert_fixes_are_accepted(cfg: dict, for_: str = "deepspeed", world_size: int | None = None) -> int:
+    """Apply each JSON snippet of each fix to ``cfg``: the keys it sets must then draw no fail or warn.
+    Returns how many snippets were checked."""
+    checked = 0
+    for f in lint(cfg, for_=for_, world_size=world_size):
+        for line in f.fix:
+            for snip in snippets(line):
+                fixed = merge(cfg, snip)
+                keys = set(leaves(snip, moved=value_at(cfg, f.data.get("key"))))
+                after = lint(fixed, for_=for_, world_size=world_size)
+                bad = [(g.id, g.title) for g in after if g.severity in ("fail", "warn") and g.data.get("key") in keys]
+                assert not bad, (cfg, f.id, line, bad)
+                checked += 1
+    return checked
+
+
+REVIEW_CONFIGS = [
+    {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True, "initial_scale_power": 4, "loss_scale_window": 10,
+                                                   "hysteresis": 1, "min_loss_scale": 0.0001},
+     "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "nvme"}}},
+    {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True, "min_loss_scale": 0, "loss_scale_window": 0}},
+    {"train_micro_batch_size_per_gpu": -1, "gradient_accumulation_steps": "2",
+     "zero_optimization": {"stage": 7, "overlap_com": True, "reduce_bucket_size": 1e400},
+     "fp16": {"enabled": True, "loss_scale": 128, "initial_scale_power": 64, "hysteresis": 0}, "steps_per_print": 1e30,
+     "optimizer": {"type": "adamw", "params": {"lr": "3e-5"}}},
+    {**BASE, "fp16": {"enabled": True, "loss_scale_window": 0.5, "min_loss_scale": -3.5, "initial_scale_power": 2.5,
+                      "hysteresis": 0.3}},
+    {**BASE, "fp16": {"enabled": True, "minloss_scale": 0.25, "loss_scale_windw": 0}},  # renamed with bad values
+    {**BASE, "min_loss_scale": 0.1, "loss_scale_window": 0, "fp16": {"enabled": True}},  # moved with bad values
+    {**BASE, "zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": "maybe",
+                                   "offload_optimizer": {"device": "disk", "ratio": 1.5}}},
+    {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+     "fp16": {"enabled": True}, "bf16": {"enabled": True}},
+]
+
+
+@pytest.mark.parametrize("cfg", REVIEW_CONFIGS + [load(str(FIX / n)) for n in ("problems.json", "nvme.json")])
+def test_every_fix_snippet_is_accepted_by_the_check(cfg):
+    assert assert_fixes_are_accepted(cfg, world_size=4) > 0
+
+
+def test_a_fractional_min_loss_scale_suggests_the_default_not_zero():
+    cfg = {**BASE, "fp16": {"enabled": True, "min_loss_scale": 0.0001}}
+    f = one(lint(cfg), "config.bad-value")
+    assert f.fix == ['set it to an integer, e.g. "fp16": {"min_loss_scale": 1}']
+    for_zero = one(lint({**BASE, "fp16": {"enabled": True, "min_loss_scale": 0}}), "config.bad-value")
+    assert '"min_loss_scale": 1' in for_zero.fix[0]
+
+
+def test_a_rename_to_a_key_that_refuses_the_value_suggests_one_it_accepts():
+    f = one(lint({**BASE, "zero_optimization": {"stagee": 7}}), "config.unknown-key")
+    assert f.fix == ['rename it: "zero_optimization": {"stage": 3}  (7 is not accepted there: one of 0, 1, 2, 3)']
+
+
+@settings(max_examples=60, deadline=None)
+@given(cfg=_block("", only=_RULE_KEYS), for_=st.sampled_from(config_check.FOR_CHOICES),
+       ws=st.none() | st.integers(1, 16))
+def test_fix_snippets_are_accepted_on_generated_configs(cfg, for_, ws):
+    assert_fixes_are_accepted(cfg, for_=for_, world_size=ws)
+
+
+# -- the command: stdin, nesting, non-finite values -----------------------------------------------------------------
+
+
+def test_cli_reads_standard_input(machine, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(json.dumps(
+        {**BASE, "pipeline": {"stages": "auto"}}).encode())))
+    assert cli("-") == 0
+    assert "[OK] <stdin>: no problems found" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b'{"a": 1,}')))
+    assert cli("-") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("torchdoctor ds check: <stdin>:1:9: invalid JSON") and "trailing comma" in err
+
+
+@pytest.mark.parametrize("text", ['{"a":' * 100_000 + "1" + "}" * 100_000, "[" * 5000 + "]" * 5000,
+                                  '{"a":' * 101 + "1" + "}" * 101])
+def test_cli_deeply_nested_json_is_exit_2_not_a_traceback(machine, capsys, tmp_path, text):
+    p = tmp_path / "deep.json"
+    p.write_text(text)
+    assert cli(str(p)) == 2
+    err = capsys.readouterr().err
+    assert f"{p}:1:" in err and "nested more than 100 levels deep" in err and "Traceback" not in err
+    assert max(len(line) for line in err.splitlines()) < 200  # the one long line is cut around the column
+
+
+def test_cli_json_stays_valid_json_with_nan_and_infinity(machine, capsys, tmp_path):
+    p = tmp_path / "nan.json"
+    p.write_text('{"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": true, "loss_scale": NaN}, '
+                 '"gradient_clipping": Infinity}')
+    assert cli(str(p), "--json") == 1
+    out = capsys.readouterr().out
+    doc = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in the output"))
+    values = {f["data"].get("key"): f["data"].get("value") for f in doc["findings"]}
+    assert values["fp16.loss_scale"] == "nan" and values["gradient_clipping"] == "inf"

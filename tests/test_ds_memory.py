@@ -345,21 +345,52 @@ def test_example_two_nodes_text(capsys):
 
 @pytest.mark.parametrize("text,want", [("7e9", 7_000_000_000), ("7B", 7_000_000_000), ("1.3b", 1_300_000_000),
                                        ("350M", 350_000_000), ("125k", 125_000), ("7_000", 7000),
-                                       ("1.5T", 1_500_000_000_000), ("131072000", 131_072_000)])
+                                       ("1.5T", 1_500_000_000_000), ("131072000", 131_072_000),
+                                       ("1.3e9", 1_300_000_000), ("0.5k", 500), ("1e16", 10**16),
+                                       ("12345678901234567", None), ("1e400", None), ("1.5", None), ("1e-400", None),
+                                       ("7.0000000001B", None), ("1e999999999", None), ("0e400", None)])
 def test_parse_count(text, want):
-    assert memory_run.parse_count(text, "--params") == want
+    if want is None:
+        with pytest.raises(memory_run.UsageError):
+            memory_run.parse_count(text, "--params")
+    else:
+        assert memory_run.parse_count(text, "--params") == want
 
 
-def test_host_ram_reads_meminfo_and_cgroup_limit(tmp_path):
-    (tmp_path / "meminfo").write_text("MemTotal:       33554432 kB\nMemFree: 1 kB\n")
-    cg = tmp_path / "cg"
-    cg.mkdir()
-    assert memory_run.host_ram_gib(str(tmp_path / "meminfo"), str(cg))[0] == 32.0
-    (cg / "memory.max").write_text(str(8 * GIB) + "\n")
-    gib, source = memory_run.host_ram_gib(str(tmp_path / "meminfo"), str(cg))
+def test_host_ram_comes_from_the_shared_readers(monkeypatch):
+    """MemTotal, or the cgroup limit when lower: torchdoctor._system's readers and rule, as env and run use them."""
+    from torchdoctor import _system
+
+    monkeypatch.setattr(_system, "read_meminfo", lambda: {"MemTotal": 32 * GIB, "MemAvailable": 20 * GIB})
+    monkeypatch.setattr(_system, "cgroup_memory", lambda: (None, None))
+    assert memory_run.host_ram_gib() == (32.0, "this machine's MemTotal")
+    monkeypatch.setattr(_system, "cgroup_memory", lambda: (8 * GIB, 0))
+    gib, source = memory_run.host_ram_gib()
     assert gib == 8.0 and "cgroup" in source
-    (cg / "memory.max").write_text("max\n")
-    assert memory_run.host_ram_gib(str(tmp_path / "meminfo"), str(cg))[0] == 32.0
+    monkeypatch.setattr(_system, "cgroup_memory", lambda: (64 * GIB, 0))
+    assert memory_run.host_ram_gib()[0] == 32.0
+    monkeypatch.setattr(_system, "read_meminfo", dict)
+    monkeypatch.setattr(_system, "cgroup_memory", lambda: (None, None))
+    assert memory_run.host_ram_gib() == (None, "unknown (no /proc/meminfo; pass --cpu-mem)")
+
+
+def test_host_ram_on_this_machine_is_what_the_shared_rule_says():
+    from torchdoctor import _system
+
+    limit = _system.host_memory_limit()
+    assert memory_run.host_ram_gib()[0] == (None if limit is None else limit / GIB)
+
+
+@pytest.mark.parametrize("cpu, gpu, title", [
+    ("23.5406", "79.32871", "ZeRO-1, no offload, bf16 needs 312.92 GiB host RAM per node, 23.5 GiB available"),
+    ("1024", "0.25", "no ZeRO setup fits 0.25 GiB per GPU: the least is 0.49 GiB"),
+    ("2048.04", "79.96", "ZeRO-1, no offload, bf16 fits: 39.12 GiB per GPU of 80, 312.92 GiB host RAM per node "
+                         "of 2048"),
+])
+def test_available_memory_in_finding_titles_is_rounded_like_the_table(capsys, cpu, gpu, title):
+    rc, out, _ = cli(["--params", "7B", "--largest-layer", "131M", "--gpus-per-node", "8", "--cpu-mem", cpu,
+                      "--gpu-mem", gpu, "--json"], capsys)
+    assert any(f["title"].startswith(title) for f in json.loads(out)["findings"]), out
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -368,6 +399,11 @@ def test_host_ram_reads_meminfo_and_cgroup_limit(tmp_path):
     (["--params", "0"], "must be positive"),
     (["--params", "-5"], "cannot read"),
     (["--params", "inf"], "cannot read"),
+    (["--params", "1e400"], "'1e400' is out of range (at most 1e16 parameters)"),
+    (["--params", "1.5"], "'1.5' is not a whole number of parameters"),
+    (["--params", "7B", "--largest-layer", "0.5"], "--largest-layer: '0.5' is not a whole number"),
+    (["--params", "7B", "--nodes", "99999999999999999999999"], "--nodes: '99999999999999999999999' is out of range"),
+    (["--params", "7B", "--gpus-per-node", "0"], "--gpus-per-node: must be a positive whole number"),
     (["--params", "7B", "--nodes", "0"], "--nodes"),
     (["--params", "7B", "--gpus-per-node", "2.5"], "--gpus-per-node"),
     (["--params", "7B", "--cpu-mem", "lots"], "--cpu-mem"),
@@ -376,16 +412,54 @@ def test_host_ram_reads_meminfo_and_cgroup_limit(tmp_path):
     (["--params", "7B", "--model", "x"], "not both"),
     (["--model", "{empty}"], "has no config.json"),
     (["--model", "{empty}/nope.json"], "no such file"),
-    (["--model", "{bad_json}"], "not a readable JSON"),
-    (["--params", "7B", "--config", "{bad_json}"], "--config"),
+    (["--model", "{bad_json}"], "bad.json:1:2: invalid JSON"),
+    (["--params", "7B", "--config", "{bad_json}"], "--config: {bad_json}:1:2: invalid JSON"),
+    (["--model", "{deep}"], "deep.json:1:501: nested more than 100 levels deep"),
+    (["--params", "7B", "--config", "{deep}"], "--config: {deep}:1:501: nested more than 100 levels deep"),
+    (["--model", "{deep_dir}"], "config.json:1:501: nested more than 100 levels deep"),
+    (["--params", "7B", "--config", "{dup}"], 'duplicate key "stage"'),
+    (["--model", "{array}"], "the top level is an array"),
+    (["--model", "{weights}"], "is a pickle (torch.save), not JSON"),
     (["--params", "7B", "--config", "{stage5}"], "stage must be 0, 1, 2 or 3"),
 ])
 def test_bad_input_exits_2(argv, msg, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "stage5.json").write_text('{"zero_optimization": {"stage": 5}}')
+    deep = '{"a":' * 100_000 + "1" + "}" * 100_000
+    (tmp_path / "deep.json").write_text(deep)
+    (tmp_path / "deep_dir").mkdir()
+    (tmp_path / "deep_dir" / "config.json").write_text(deep)
+    (tmp_path / "dup.json").write_text('{"zero_optimization": {"stage": 2, "stage": 3}}')
+    (tmp_path / "array.json").write_text("[]")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not unpickled")
     subst = {"empty": str(tmp_path / "empty"), "bad_json": str(tmp_path / "bad.json"),
-             "stage5": str(tmp_path / "stage5.json")}
+             "stage5": str(tmp_path / "stage5.json"), "deep": str(tmp_path / "deep.json"),
+             "deep_dir": str(tmp_path / "deep_dir"), "dup": str(tmp_path / "dup.json"),
+             "array": str(tmp_path / "array.json"), "weights": str(tmp_path / "pytorch_model.bin")}
     argv = [a.format(**subst) for a in argv]
+    msg = msg.format(**subst)
     rc, out, err = cli(argv + ["--gpus-per-node", "1"] if "--gpus-per-node" not in argv else argv, capsys)
     assert rc == 2 and msg in err and "Traceback" not in err and out == ""
+
+
+def test_model_counts_are_capped_like_params(tmp_path, capsys, monkeypatch):
+    from conftest import tiny_gpt2
+
+    real = tiny_gpt2()
+    real.config.architectures = ["GPT2LMHeadModel"]
+    real.config.to_json_file(tmp_path / "config.json")
+    monkeypatch.setattr(M, "count_params", lambda model: (3 * 10**18, 10**17, "lm_head"))
+    rc, out, err = cli(["--model", str(tmp_path), "--gpus-per-node", "1"], capsys)
+    assert rc == 2 and out == "" and "3e+18 parameters is out of range (at most 1e16, as for --params)" in err
+
+
+def test_host_oom_title_on_this_machine_is_rounded(capsys, monkeypatch):
+    """Without --cpu-mem the RAM is this machine's, rarely a whole number of GiB: the title rounds it."""
+    from torchdoctor import _system
+
+    monkeypatch.setattr(_system, "read_meminfo", lambda: {"MemTotal": int(23.5406 * GIB)})
+    monkeypatch.setattr(_system, "cgroup_memory", lambda: (None, None))
+    rc, out, _ = cli(["--params", "7B", "--largest-layer", "131M", "--gpus-per-node", "8", "--gpu-mem", "80"], capsys)
+    assert "needs 312.92 GiB host RAM per node, 23.5 GiB available" in out and "23.5406" not in out
+    assert "host RAM per node: 23.5 GiB [this machine's MemTotal" in out

@@ -73,11 +73,12 @@ def test_load_ds_config_reads_the_object(tmp_path):
     [
         ("missing.json", None, "no such file"),
         ("adir", "DIR", "is a directory"),
-        ("bad.json", '{\n  "bf16": {"enabled": true},\n  "stage": 3,,\n}', "invalid JSON at line 3, column 14"),
-        ("list.json", "[1, 2]", "got a JSON array"),
-        ("str.json", '"zero"', "got a JSON string"),
+        ("bad.json", '{\n  "bf16": {"enabled": true},\n  "stage": 3,,\n}', "bad.json:3:14: invalid JSON"),
+        ("list.json", "[1, 2]", "the top level is an array"),
+        ("str.json", '"zero"', "the top level is a string"),
         ("empty.json", "  \n", "empty"),
-        ("dup.json", '{"zero_optimization": {"stage": 2, "stage": 3}}', "'stage' appears twice"),
+        ("dup.json", '{"zero_optimization": {"stage": 2, "stage": 3}}', 'dup.json:1:36: duplicate key "stage"'),
+        ("deep.json", '{"a":' * 5000 + "1" + "}" * 5000, "deep.json:1:501: nested more than 100 levels deep"),
         ("latin1.json", b'{"a": "\xe9"}', "not UTF-8"),
         ("ds.bin", json.dumps(DS_CONFIG), "pickle"),  # refused by its name, even if the bytes are JSON
         ("ds.pt", json.dumps(DS_CONFIG), "pickle"),
@@ -211,9 +212,9 @@ def test_training_args_command_line_errors(spec, message):
 
 
 def test_training_args_file_errors(tmp_path):
-    with pytest.raises(BundleError, match="line 1, column"):
+    with pytest.raises(BundleError, match="a.json:1:2: invalid JSON"):
         load_training_args(write(tmp_path / "a.json", "{'learning_rate': 1}"))
-    with pytest.raises(BundleError, match="must be a JSON object"):
+    with pytest.raises(BundleError, match="is a JSON object"):
         load_training_args(write(tmp_path / "b.json", "[]"))
     with pytest.raises(BundleError, match="is a directory"):
         load_training_args(str(tmp_path))
@@ -340,8 +341,9 @@ def test_versions_as_the_tools_print_them():
         "gpus": "2 x NVIDIA H100 80GB HBM3 (9.0), NVIDIA A100-SXM4-40GB (8.0)",
         "driver": "550.54.15",
     }
-    one = make_facts(toolkits=[Toolkit("/opt/cuda", ["PATH"], version="12.6")], deepspeed_cuda_home=None)
-    assert versions(one)["nvcc"] == "12.6"  # the only toolkit there is
+    one = make_facts(toolkits=[Toolkit("/opt/cuda", ["PATH"], version="12.6")], deepspeed_cuda_home=None,
+                     nvcc_on_path_root="/opt/cuda")
+    assert versions(one)["nvcc"] == "12.6"  # the nvcc on PATH
     two = make_facts(deepspeed_cuda_home="/somewhere/else")
     assert versions(two)["nvcc"] is None  # two toolkits, neither the build's: no guess
     bare = versions(Facts(python="3.12.1", torch=TorchFacts(version="2.13.0+cpu")))
@@ -403,3 +405,127 @@ def test_json_shape():
     assert json.loads(json.dumps(doc)) == doc
     empty = to_json(Facts(), [], None, None)
     assert empty["ds_config"] is None and empty["training_args"] is None and empty["findings"] == []
+
+
+# -- the build toolkit is the one env's rules judge -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("over", [
+    {},
+    {"build_toolkit_root": "/usr/local/cuda-11.8"},  # the probe resolved CUDA_HOME for builds with real paths
+    {"deepspeed_cuda_home": None, "torch": TorchFacts(version="2.5.1+cu124", cuda="12.4",
+                                                      cuda_home="/usr/local/cuda-11.8")},
+    {"deepspeed_cuda_home": None, "nvcc_on_path_root": "/usr/local/cuda-11.8"},
+    {"deepspeed_cuda_home": "/somewhere/else"},
+    {"toolkits": [Toolkit("/opt/cuda", ["PATH"], version="12.6")], "deepspeed_cuda_home": None},
+])
+def test_the_nvcc_line_is_the_toolkit_envs_rules_use(over):
+    from torchdoctor.env import rules
+
+    facts = make_facts(**over)
+    tk = rules.build_toolkit(facts)
+    assert versions(facts)["nvcc"] == (tk.version if tk else None)
+    if over.get("build_toolkit_root"):
+        assert versions(facts)["nvcc"] == "11.8"
+
+
+# -- TrainingArguments: what is left out is said ------------------------------------------------------------------
+
+
+def test_words_before_the_first_option_are_named_in_a_note(ta_module):
+    args = load_training_args("ñ --learning_rate 1")
+    assert args == {"learning_rate": 1}
+    diff = training_args_diff(args)
+    assert diff["changed"] == {"learning_rate": 1}
+    assert "ignored before the first --option: ñ" in diff["note"]
+    md = render_markdown(make_facts(), [], None, diff)
+    assert "Ignored before the first --option: ñ" in md
+    launcher = training_args_diff(load_training_args("deepspeed train.py --fp16"))
+    assert "deepspeed train.py" in launcher["note"]
+    assert training_args_diff(load_training_args("--fp16"))["note"] is None
+
+
+def test_the_note_survives_without_transformers(monkeypatch):
+    monkeypatch.setattr(bundle, "_ta_fields", lambda: None)
+    diff = training_args_diff(load_training_args("python x.py --lr 3"))
+    assert "ignored before the first --option: python x.py" in diff["note"] and "not importable" in diff["note"]
+
+
+@pytest.mark.parametrize("spec", ["", "  ", "\n"])
+def test_empty_training_args_are_refused(spec):
+    with pytest.raises(BundleError, match="empty"):
+        load_training_args(spec)
+
+
+# -- --json is valid JSON whatever the inputs hold ---------------------------------------------------------------
+
+
+def test_to_json_maps_non_finite_floats_to_strings(tmp_path, ta_module):
+    ds = load_ds_config(write(tmp_path / "nan.json", '{"fp16": {"enabled": true, "loss_scale": NaN}, '
+                                                     '"gradient_clipping": Infinity, "x": -Infinity}'))
+    ta = training_args_diff(load_training_args("--num_train_epochs 1e400 --learning_rate nan"))
+    doc = to_json(make_facts(), FINDINGS, ds, ta)
+    assert doc["ds_config"] == {"fp16": {"enabled": True, "loss_scale": "nan"}, "gradient_clipping": "inf",
+                                "x": "-inf"}
+    assert doc["training_args"]["changed"] == {"num_train_epochs": "inf", "learning_rate": "nan"}
+    json.dumps(doc, allow_nan=False)
+
+
+# -- the report command -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def report(monkeypatch, capsys):
+    """``torchdoctor report`` in-process, on fabricated facts (the real probe has test_env_cli's tests)."""
+    import argparse
+
+    from torchdoctor.env import probe, report_run
+
+    monkeypatch.setattr(probe, "collect", make_facts)
+
+    def run(*argv: str, stdin: bytes | None = None) -> tuple[int, str, str]:
+        if stdin is not None:
+            monkeypatch.setattr("sys.stdin", __import__("io").TextIOWrapper(__import__("io").BytesIO(stdin)))
+        parser = argparse.ArgumentParser()
+        report_run.add_arguments(parser)
+        rc = report_run.run(parser.parse_args(list(argv)))
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    return run
+
+
+def test_report_json_is_valid_json_with_inf_and_nan(report, tmp_path, ta_module):
+    cfg = write(tmp_path / "nan.json", '{"fp16": {"enabled": true, "loss_scale": NaN}, "gradient_clipping": Infinity}')
+    rc, out, err = report("--json", "--ds-config", cfg, "--training-args", "--num_train_epochs 1e400")
+    assert rc == 0, err
+    doc = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert doc["ds_config"]["fp16"]["loss_scale"] == "nan" and doc["ds_config"]["gradient_clipping"] == "inf"
+    assert doc["training_args"]["changed"] == {"num_train_epochs": "inf"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--training-args", ""], "the training arguments are empty"),
+    (["--ds-config", ""], "--ds-config is empty"),
+    (["--ds-config", "{deep}"], "deep.json:1:501: nested more than 100 levels deep"),
+    (["--training-args", "{deep}"], "deep.json:1:501: nested more than 100 levels deep"),
+    (["--ds-config", "{dup}"], 'dup.json:1:19: duplicate key "a"'),
+])
+def test_report_refuses_bad_inputs_with_exit_2(report, tmp_path, argv, message):
+    paths = {"deep": write(tmp_path / "deep.json", '{"a":' * 100_000 + "1" + "}" * 100_000),
+             "dup": write(tmp_path / "dup.json", '{"a": {}, "b": 1, "a": 2}')}
+    rc, out, err = report(*[a.format(**paths) for a in argv])
+    assert rc == 2 and out == "" and message in err and "Traceback" not in err
+    assert err.startswith("torchdoctor report: ")
+
+
+def test_report_reads_the_ds_config_from_standard_input(report):
+    rc, out, err = report("--json", "--ds-config", "-", stdin=b'{"zero_optimization": {"stage": 3}}')
+    assert rc == 0 and json.loads(out)["ds_config"] == {"zero_optimization": {"stage": 3}}
+    rc, out, err = report("--ds-config", "-", stdin=b"[1]")
+    assert rc == 2 and "<stdin>: the top level is an array" in err
+
+
+def test_report_markdown_notes_dropped_words(report, ta_module):
+    rc, out, _ = report("--training-args", "ñ --learning_rate 1")
+    assert rc == 0 and "| `learning_rate` | `1` |" in out and "Ignored before the first --option: ñ" in out

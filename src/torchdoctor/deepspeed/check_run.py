@@ -9,16 +9,16 @@ findings of :func:`~torchdoctor.deepspeed.config_check.check`. Exit 0 when nothi
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from ..findings import render_text
+from ..jsonfile import dumps
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", metavar="CONFIG.json", help="the DeepSpeed config file")
+    parser.add_argument("config", metavar="CONFIG.json", help="the DeepSpeed config file (-: read standard input)")
     parser.add_argument("--world-size", metavar="N", default=None,
                         help="data-parallel ranks of the run (GPUs / tensor x pipeline x sequence parallel): checks "
                              "train_batch_size = micro batch x gradient accumulation x N")
@@ -67,12 +67,12 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     caps, libaio = _probe()
     findings = config_check.check(config, world_size=world_size, for_=for_, gpu_capabilities=caps, libaio=libaio,
-                                  path=args.config)
+                                  path="<stdin>" if args.config == "-" else args.config)
     sch = config_check.schema()
     if getattr(args, "json", False):
-        print(json.dumps({"config": args.config, "for": for_, "world_size": world_size, "gpu_capabilities": caps,
-                          "libaio": libaio, "schema": sch.source, "findings": [f.to_json() for f in findings]},
-                         indent=1))
+        print(dumps({"config": args.config, "for": for_, "world_size": world_size, "gpu_capabilities": caps,
+                     "libaio": libaio, "schema": sch.source, "findings": [f.to_json() for f in findings]},
+                    indent=1))
     else:
         gpus = ", ".join(f"sm {c}" for c in caps) or "none visible"
         print(f"torchdoctor ds check {args.config} (for {for_}; world size {world_size or 'not given'}; "

@@ -1,8 +1,8 @@
 """Lint a DeepSpeed config before the run: ``torchdoctor ds check CONFIG.json``.
 
-Pure logic: :func:`load` reads the file (strict JSON, duplicate keys refused as DeepSpeed refuses them) and
-:func:`check` judges the dict against facts the caller passes in (GPU capabilities, where libaio is, the world
-size). Nothing here probes the machine.
+Pure logic: :func:`load` reads the file (:func:`torchdoctor.jsonfile.load_object`: strict JSON, duplicate keys
+refused as DeepSpeed refuses them) and :func:`check` judges the dict against facts the caller passes in (GPU
+capabilities, where libaio is, the world size). Nothing here probes the machine.
 
 What the checks know comes from DeepSpeed itself where it exposes it (:func:`schema`, imported lazily):
 
@@ -17,8 +17,10 @@ What the checks know comes from DeepSpeed itself where it exposes it (:func:`sch
 When deepspeed is not importable the same tables come from the bundled copies below, taken from DeepSpeed 0.19.8
 (``tests/test_ds_check.py`` compares them with the installed DeepSpeed). ``"auto"`` follows DeepSpeed: its pydantic
 blocks drop ``"auto"`` values and use the default (so ``fp16.enabled: "auto"`` trains in fp32); everywhere else the
-string reaches the code and breaks it. Only the HF Trainer (with accelerate) fills ``"auto"``, and only for
-:data:`HF_AUTO_KEYS`.
+string reaches the code and breaks it -- except where ``"auto"`` is DeepSpeed's own default for the key
+(``pipeline.stages``, ``data_types.keep_in_fp32_modules``, ``zero_optimization.zenflow.*``,
+``expert_parallel.*``: :attr:`Schema.ds_auto`, read from DeepSpeed's readers and models), which is fine anywhere.
+Only the HF Trainer (with accelerate) fills ``"auto"``, and only for :data:`HF_AUTO_KEYS`.
 """
 
 from __future__ import annotations
@@ -30,8 +32,6 @@ import enum
 import functools
 import io
 import json
-import json.decoder
-import json.scanner
 import logging
 import math
 import pathlib
@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..findings import Finding
+from ..jsonfile import JsonFileError, load_object
 
 __all__ = ["ConfigError", "load", "check", "schema", "Schema", "Spec", "HF_AUTO_KEYS", "FOR_CHOICES"]
 
@@ -49,128 +50,21 @@ FOR_CHOICES = ("deepspeed", "hf")
 FALLBACK_VERSION = "0.19.8"  # the DeepSpeed the bundled tables were taken from
 
 
-class ConfigError(ValueError):
-    """The config cannot be read: missing file, not UTF-8, invalid JSON, a duplicate key, a non-object top level.
-
-    The message is ready to print (``file:line:col: message`` plus the offending line and a caret).
-    """
+ConfigError = JsonFileError  # what :func:`load` raises; the message is ready to print
 
 
 # -- loading -------------------------------------------------------------------------------------------------
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-
-class _DuplicateKeyAt(Exception):
-    def __init__(self, key: str, pos: int) -> None:
-        self.key, self.pos = key, pos
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
-    return out
-
-
-def _key_positions(s: str, start: int) -> Iterator[tuple[str, int]]:
-    """(key, offset) of the keys of the object whose ``{`` is at ``start`` (the text there is valid JSON)."""
-    depth, i, n = 0, start, len(s)
-    while i < n:
-        c = s[i]
-        if c == '"':
-            value, end = json.decoder.scanstring(s, i + 1)
-            j = end
-            while j < n and s[j] in " \t\r\n":
-                j += 1
-            if depth == 1 and j < n and s[j] == ":":
-                yield value, i
-            i = end
-            continue
-        if c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return
-        i += 1
-
-
-class _Decoder(json.JSONDecoder):
-    """``json`` with duplicate keys refused at their position (DeepSpeed's hjson hook refuses them too)."""
-
-    def __init__(self) -> None:
-        super().__init__(object_pairs_hook=_no_duplicates)
-        self.parse_object = self._parse_object
-        self.scan_once = json.scanner.py_make_scanner(self)
-
-    @staticmethod
-    def _parse_object(s_and_end, *args, **kwargs):
-        s, end = s_and_end
-        try:
-            return json.decoder.JSONObject(s_and_end, *args, **kwargs)
-        except _DuplicateKey as e:
-            seen = [pos for key, pos in _key_positions(s, end - 1) if key == e.key]
-            raise _DuplicateKeyAt(e.key, seen[1] if len(seen) > 1 else end - 1) from None
-
-
-def _located(path: str, text: str, pos: int, message: str) -> str:
-    line = text.count("\n", 0, pos) + 1
-    col = pos - (text.rfind("\n", 0, pos) + 1) + 1
-    src = text.split("\n")[line - 1].rstrip("\r") if text else ""
-    caret = "".join("\t" if ch == "\t" else " " for ch in src[: col - 1]) + "^"
-    return f"{path}:{line}:{col}: {message}\n    {src}\n    {caret}"
-
-
-def _hint(text: str, pos: int) -> str:
-    here = text[pos : pos + 2]
-    if here.startswith(("//", "/*", "#")):
-        return (" (a comment: DeepSpeed's own reader, hjson, skips comments, but JSON, the HF Trainer's json.load"
-                " and this check do not -- remove it)")
-    before = text[:pos].rstrip()
-    if before.endswith(",") and here[:1] in ("}", "]"):
-        return " (a trailing comma: remove the ',' before it)"
-    return ""
-
-
 def load(path: str) -> dict:
-    """The DeepSpeed config object in the JSON file at ``path``.
+    """The DeepSpeed config object in the JSON file at ``path`` (``-``: standard input).
 
     Raises:
-        ConfigError: missing or unreadable file, not UTF-8, invalid JSON (``file:line:col: message`` and the line
-            with a caret), a duplicate key, or a top level that is not a JSON object.
+        ConfigError: (:class:`torchdoctor.jsonfile.JsonFileError`) missing or unreadable file, not UTF-8, invalid
+            JSON (``file:line:col: message`` and the line with a caret), a duplicate key, nesting deeper than any
+            config, or a top level that is not a JSON object.
     """
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory; pass the DeepSpeed config JSON file") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read it: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); a DeepSpeed config is a JSON text file") from None
-    try:
-        obj = _Decoder().decode(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(_located(path, text, e.pos, e.msg + _hint(text, e.pos))) from None
-    except _DuplicateKeyAt as e:
-        raise ConfigError(_located(path, text, e.pos, f'duplicate key "{e.key}" (DeepSpeed refuses duplicate keys;'
-                                                      " keep one)")) from None
-    except RecursionError:
-        raise ConfigError(f"{path}: nested too deeply to be a DeepSpeed config") from None
-    if not isinstance(obj, dict):
-        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(obj), "a number")
-        raise ConfigError(f"{path}: the top level is {kind}; a DeepSpeed config is a JSON object {{...}}")
-    return obj
+    return load_object(path, "a DeepSpeed config")
 
 
 # -- what DeepSpeed accepts: the schema ---------------------------------------------------------------------------
@@ -253,6 +147,7 @@ class Schema:
     schedulers: dict[str, tuple[tuple[str, ...], tuple[str, ...]]]  # name -> (params, required params)
     from_deepspeed: bool
     version: str  # the DeepSpeed version the tables describe
+    ds_auto: frozenset[str] = frozenset()  # keys whose own DeepSpeed default is "auto": DeepSpeed reads "auto" there
 
 
 # Blocks DeepSpeed builds from pydantic models, and the nested models that are blocks of their own.
@@ -505,6 +400,17 @@ _FALLBACK_SCHEDULERS_TEXT = {  # name: (params after `optimizer`, the required o
                        " last_batch_iteration", "total_num_steps"),
 }
 _FALLBACK_SCHEDULERS = {n: (tuple(p.split()), tuple(r.split())) for n, (p, r) in _FALLBACK_SCHEDULERS_TEXT.items()}
+# Keys whose DeepSpeed default is "auto" itself, so "auto" there is DeepSpeed's own value (not a placeholder for the
+# HF Trainer), by where DeepSpeed keeps them (see _ds_auto_from_deepspeed for how each is read):
+_FALLBACK_DS_AUTO: dict[str, tuple[str, ...]] = {
+    "pipeline": ("pipeline.stages",),  # runtime/config.py get_pipeline_config
+    "config": ("data_types.keep_in_fp32_modules",),  # constants.py KEEP_IN_FP32_MODULES_DEFAULT
+    "models": ("zero_optimization.zenflow.select_interval", "zero_optimization.zenflow.select_strategy",
+               "zero_optimization.zenflow.update_interval"),  # runtime/zenflow/zenflow_config.py ZenFlowConfig
+    "expert_parallel": ("expert_parallel.combine_impl", "expert_parallel.routed_scaling_factor",
+                        "expert_parallel.row_weighting_impl", "expert_parallel.score_apply",
+                        "expert_parallel.score_func", "expert_parallel.top_k"),  # auto_ep_config.parse_autoep_config
+}
 # fmt: on
 
 
@@ -649,6 +555,107 @@ def _top_level_from_deepspeed() -> tuple[str, ...]:
     return tuple(sorted(seen))
 
 
+class _DefaultsRecorder(dict):
+    """Records the defaults DeepSpeed's readers pass to ``get(key, default)`` as ``{dotted key: default}``.
+
+    An empty-dict default (``param_dict.get("data_types", {})``) is answered with an empty child recorder, so the
+    keys read from nested blocks are recorded under their dotted names too.
+    """
+
+    def __init__(self, log: dict[str, Any], prefix: str = "", probe: bool = False) -> None:
+        super().__init__(**({"__torchdoctor_probe__": None} if probe else {}))  # non-empty: some readers skip {}
+        self.log, self.prefix = log, prefix
+
+    def get(self, key, *default):
+        if isinstance(key, str) and default:
+            d = default[0]
+            if isinstance(d, dict) and not d:
+                return _DefaultsRecorder(self.log, f"{self.prefix}{key}.")
+            self.log.setdefault(self.prefix + key, d)
+        return super().get(key, *default)
+
+    def __copy__(self):
+        return self
+
+
+def _is_auto(v: Any) -> bool:
+    if isinstance(v, enum.Enum):
+        v = v.value
+    return isinstance(v, str) and v == "auto"
+
+
+def _auto_in_models() -> set[str]:
+    """Fields of DeepSpeed's config models, nested models included, whose default is "auto"."""
+    import importlib
+
+    import pydantic
+
+    found: set[str] = set()
+
+    def models_in(ann: Any) -> list[type]:
+        if isinstance(ann, type) and issubclass(ann, pydantic.BaseModel):
+            return [ann]
+        return [m for a in typing.get_args(ann) for m in models_in(a)]
+
+    def walk(model: type, prefix: str, seen: frozenset) -> None:
+        for name, field in model.model_fields.items():
+            keys = {name, field.alias or name}
+            if field.default_factory is None and _is_auto(field.default):
+                found.update(prefix + k for k in keys)
+            for sub in models_in(field.annotation):
+                if sub not in seen:
+                    for k in keys:
+                        walk(sub, f"{prefix}{k}.", seen | {sub})
+
+    for block, (module, cls_name) in _MODELS.items():
+        if "." not in block:  # nested blocks are reached from their parent
+            model = getattr(importlib.import_module(module), cls_name)
+            walk(model, block + ".", frozenset({model}))
+    return found
+
+
+def _auto_in_config_reader() -> set[str]:
+    """Keys ``DeepSpeedConfig`` reads with the default "auto" (``data_types.keep_in_fp32_modules``...)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    log: dict[str, Any] = {}
+    cfg = DeepSpeedConfig.__new__(DeepSpeedConfig)
+    cfg.world_size, cfg.global_rank = 1, 0
+    cfg._initialize_params(_DefaultsRecorder(log, probe=True))
+    if len(log) < 10:  # the recorder did not see the reads: DeepSpeed changed how it parses
+        raise RuntimeError(f"only {len(log)} defaults recorded")
+    return {k for k, v in log.items() if _is_auto(v)}
+
+
+def _auto_in_pipeline() -> set[str]:
+    from deepspeed.runtime.config import get_pipeline_config
+
+    return {f"pipeline.{k}" for k, v in get_pipeline_config({}).items() if _is_auto(v)}
+
+
+def _auto_in_expert_parallel() -> set[str]:
+    from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+    from deepspeed.runtime.constants import EXPERT_PARALLEL
+
+    log: dict[str, Any] = {}
+    parse_autoep_config(_DefaultsRecorder(log, probe=True))
+    return {f"{EXPERT_PARALLEL}.{k}" for k, v in log.items() if _is_auto(v)}
+
+
+def _ds_auto_from_deepspeed() -> dict[str, tuple[str, ...]]:
+    """:data:`_FALLBACK_DS_AUTO` read from the installed DeepSpeed, part by part (a part that cannot be read -- a
+    private function moved -- keeps the bundled keys)."""
+    readers = {"pipeline": _auto_in_pipeline, "config": _auto_in_config_reader, "models": _auto_in_models,
+               "expert_parallel": _auto_in_expert_parallel}
+    out: dict[str, tuple[str, ...]] = {}
+    for part, read in readers.items():
+        try:
+            out[part] = tuple(sorted(read()))
+        except Exception:
+            out[part] = _FALLBACK_DS_AUTO[part]
+    return out
+
+
 def _schedulers_from_deepspeed() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     from deepspeed.runtime import lr_schedules
 
@@ -686,7 +693,8 @@ def _torch_tables() -> tuple[tuple[str, ...], dict[str, tuple[tuple[str, ...], t
 
 def _assemble(source: str, from_ds: bool, version: str, top: tuple[str, ...], blocks: dict[str, dict[str, str]],
               removed: dict[str, dict[str, str]], optimizers: tuple[str, ...],
-              schedulers: dict[str, tuple[tuple[str, ...], tuple[str, ...]]]) -> Schema:
+              schedulers: dict[str, tuple[tuple[str, ...], tuple[str, ...]]],
+              ds_auto: dict[str, tuple[str, ...]]) -> Schema:
     torch_optims, torch_scheds = _torch_tables()
     top_specs = {k: _TOP_SPECS.get(k, "any") for k in (*top, *_TOP_EXTRA)}
     all_blocks = {"": top_specs, **blocks, "optimizer": _OPTIMIZER_BLOCK, "scheduler": _SCHEDULER_BLOCK}
@@ -702,6 +710,7 @@ def _assemble(source: str, from_ds: bool, version: str, top: tuple[str, ...], bl
         schedulers={**torch_scheds, **schedulers},
         from_deepspeed=from_ds,
         version=version,
+        ds_auto=frozenset(k for keys in ds_auto.values() for k in keys),
     )
 
 
@@ -728,6 +737,7 @@ def deepspeed_tables() -> dict[str, Any]:
             }
             tables["optimizers"] = tuple(ds_config.DEEPSPEED_OPTIMIZERS)
             tables["schedulers"] = _schedulers_from_deepspeed()
+            tables["auto"] = _ds_auto_from_deepspeed()
         except Exception as e:
             raise _TablesUnreadable(f"deepspeed {version}'s tables could not be read: {type(e).__name__}") from e
     return tables
@@ -751,10 +761,10 @@ def schema() -> Schema:
             reason = f"deepspeed import failed: {type(e).__name__}"
         return _assemble(f"bundled DeepSpeed {FALLBACK_VERSION} tables ({reason})", False, FALLBACK_VERSION,
                          _FALLBACK_TOP_LEVEL, _FALLBACK_BLOCKS, _FALLBACK_REMOVED, _FALLBACK_OPTIMIZERS,
-                         _FALLBACK_SCHEDULERS)
+                         _FALLBACK_SCHEDULERS, _FALLBACK_DS_AUTO)
     top = t["top"] if t["top"] is not None else _FALLBACK_TOP_LEVEL
     return _assemble(f"deepspeed {t['version']}", True, t["version"], top, t["blocks"], t["removed"], t["optimizers"],
-                     t["schedulers"])
+                     t["schedulers"], t["auto"])
 
 
 # -- reading values as DeepSpeed does --------------------------------------------------------------------------
@@ -919,21 +929,29 @@ def _default(spec: Spec) -> Any:
         return _NO
 
 
-def _example(spec: Spec, v: Any) -> Any:
-    """A value to put in the fix: the nearest accepted choice, the value clamped into range, or the default."""
+# Values for the fixes of the string keys that have no default.
+_STR_EXAMPLES = {"optimizer.type": "AdamW", "scheduler.type": "WarmupLR", "nvme_path": "/local_nvme"}
+
+
+def _examples(spec: Spec, v: Any, key: str = "") -> list[Any]:
+    """Values to put in a fix of ``key``, best first: the nearest accepted choice, the value made whole and clamped
+    into range, the default, a value of the right type. The walker keeps the first that passes the whole check."""
+    out: list[Any] = []
     if spec.kind == "choice":
         strs = [c for c in spec.values if isinstance(c, str)]
         if isinstance(v, str) and strs:
             m = difflib.get_close_matches(v.lower(), [s.lower() for s in strs], n=1, cutoff=0.5)
             if m:
-                return next(s for s in strs if s.lower() == m[0])
+                out.append(next(s for s in strs if s.lower() == m[0]))
         ints = [c for c in spec.values if isinstance(c, int)]
         x = _lax_float(v)
         if ints and x is not None and math.isfinite(x):
-            return min(ints, key=lambda c: abs(c - x))
+            out.append(min(ints, key=lambda c: abs(c - x)))
     if spec.kind in ("int", "float"):
         x = _lax_float(v)
         if x is not None and math.isfinite(x) and not isinstance(v, bool):
+            if spec.kind == "int" and not x.is_integer():
+                x = math.copysign(1, x) if abs(x) < 1 else round(x)  # 0.0001 -> 1, not 0 (0 often means "off")
             lo = spec.ge if spec.ge is not None else (spec.gt + (1 if spec.kind == "int" else 0) if spec.gt is not None
                                                       else None)
             hi = spec.le if spec.le is not None else spec.lt
@@ -941,15 +959,34 @@ def _example(spec: Spec, v: Any) -> Any:
                 x = lo
             if hi is not None and x > hi:
                 x = hi
-            return int(x) if spec.kind == "int" else float(x)
+            out.append(int(x) if spec.kind == "int" else float(x))
     d = _default(spec)
     if d is not _NO and d is not None:
-        return d
+        out.append(d)
     if spec.kind == "bool":
-        return True
-    if spec.kind in ("int", "float"):
-        return 1
-    return {} if spec.kind in ("block", "dict") else "..."
+        out.append(True)
+    elif spec.kind in ("int", "float"):
+        out.append(1)
+    elif spec.kind == "choice" and spec.values:
+        out.append(spec.values[0])
+    elif spec.kind in ("str", "path"):
+        out.append(_STR_EXAMPLES.get(key, _STR_EXAMPLES.get(key.rpartition(".")[2], "...")))
+    else:
+        out.append({} if spec.kind in ("block", "dict") else "...")
+    unique: list[Any] = []
+    for c in out:
+        if not any(type(c) is type(u) and c == u for u in unique):
+            unique.append(c)
+    return unique
+
+
+def _with(config: Any, path: tuple, value: Any) -> Any:
+    """A copy of ``config`` with ``value`` at ``path`` (the dicts along the path copied, missing ones created)."""
+    if not path:
+        return value
+    d = dict(config) if isinstance(config, dict) else {}
+    d[path[0]] = _with(d.get(path[0]), path[1:], value)
+    return d
 
 
 def _show(v: Any, limit: int = 60) -> str:
@@ -988,8 +1025,12 @@ _DEPRECATED_FIX = {
 
 
 class _Walker:
-    def __init__(self, sch: Schema) -> None:
+    """Walks the config against the schema. With ``verify``, a value a fix suggests is one the whole check accepts
+    at that key in this config (:meth:`_value_for`), not just one of the right type."""
+
+    def __init__(self, sch: Schema, config: dict | None = None, for_: str = "deepspeed", verify: bool = False) -> None:
         self.sch = sch
+        self.root, self.for_, self.verify = config, for_, verify
         self.findings: list[Finding] = []
         self.homes: dict[str, list[tuple[str, str]]] = {}  # lowercase key -> [(block, key as DeepSpeed spells it)]
         for block, specs in sch.blocks.items():
@@ -997,12 +1038,12 @@ class _Walker:
                 if spec.deprecated is None:
                     self.homes.setdefault(k.lower(), []).append((block, k))
 
-    def walk(self, block: str, obj: dict, prefix: str) -> None:
+    def walk(self, block: str, obj: dict, prefix: str, path: tuple = ()) -> None:
         specs = self.sch.blocks[block]
         removed = self.sch.removed.get(block, {})
         lax = block in self.sch.strict
-        for key, val in obj.items():
-            key = str(key)
+        for raw_key, val in obj.items():
+            key = str(raw_key)
             dotted = prefix + key
             if key in removed:
                 self.findings.append(Finding(
@@ -1013,7 +1054,7 @@ class _Walker:
                 continue
             spec = specs.get(key)
             if spec is None:
-                self._unknown(block, key, dotted, val, prefix, obj)
+                self._unknown(block, key, dotted, val, prefix, obj, path)
                 continue
             if isinstance(val, str) and val == "auto":
                 continue  # judged by config.auto-outside-hf
@@ -1024,19 +1065,44 @@ class _Walker:
                     [f'write the block: "zero_optimization": {{"stage": {1 if val else 0}}}'], {"key": dotted}))
                 continue
             if spec.deprecated is not None:
-                self._deprecated(dotted, key, spec, val, prefix, lax)
+                self._deprecated(dotted, key, spec, val, prefix, lax, path)
             bad = _judge(spec, val, lax)
             if bad:
-                self._bad(block, key, dotted, val, spec, *bad)
+                self._bad(block, key, dotted, val, spec, *bad, path=(*path, raw_key))
                 continue
             if spec.kind == "block" and isinstance(val, dict) and spec.ref in self.sch.blocks:
-                self.walk(spec.ref, val, dotted + ".")
+                self.walk(spec.ref, val, dotted + ".", (*path, raw_key))
         if block == "optimizer":
             self._optimizer(obj)
         elif block == "scheduler":
             self._scheduler(obj)
 
-    def _unknown(self, block: str, key: str, dotted: str, val: Any, prefix: str, obj: dict) -> None:
+    def _value_for(self, path: tuple, dotted: str, candidates: list[Any]) -> Any:
+        """The first candidate that, set at ``path``, leaves nothing to report at ``dotted`` (the first one when
+        not verifying); :data:`_NO` when none does."""
+        if not (self.verify and self.root is not None):
+            return candidates[0]
+        for c in candidates:
+            found = _findings(_with(self.root, path, c), world_size=None, for_=self.for_, caps=[], libaio="libaio",
+                              verify=False)
+            if not any(f.severity in ("fail", "warn") and f.data.get("key") == dotted for f in found):
+                return c
+        return _NO
+
+    def _moved(self, target: str, val: Any, path: tuple) -> tuple[Any, str]:
+        """The value for a fix that renames or moves a key to ``target`` (``path``): the user's own when the target
+        accepts it, else the nearest accepted one and a note saying why."""
+        tspec = self._spec_at(target)
+        if tspec is None or (isinstance(val, str) and val == "auto"):
+            return val, ""
+        lax = target.rpartition(".")[0] in self.sch.strict
+        candidates = ([val] if _judge(tspec, val, lax) is None else []) + _examples(tspec, val, target)
+        value = self._value_for(path, target, candidates)
+        if value is _NO or (type(value) is type(val) and value == val):
+            return val, ""
+        return value, f"  ({_show(val)} is not accepted there: {_expect(tspec)})"
+
+    def _unknown(self, block: str, key: str, dotted: str, val: Any, prefix: str, obj: dict, path: tuple) -> None:
         specs = self.sch.blocks[block]
         strict = block in self.sch.strict
         current = [k for k, s in specs.items() if s.deprecated is None]
@@ -1053,12 +1119,14 @@ class _Walker:
                 fix.append(f'"{target}" is set too ({_show(obj[rename])}): merge what you meant into it and remove '
                            f'"{dotted}"')
             else:
-                fix.append(f"rename it: {_json_at(target, _show(val))}")
+                value, note = self._moved(target, val, (*path, rename))
+                fix.append(f"rename it: {_json_at(target, _show(value))}{note}")
         elif homes:
             home, real = homes[0]
             target = f"{home}.{real}" if home else real
             title += f'; it belongs in {"the top level" if not home else repr(home).replace(chr(39), chr(34))}'
-            fix.append(f"move it: {_json_at(target, _show(val))}")
+            value, note = self._moved(target, val, tuple(target.split(".")))
+            fix.append(f"move it: {_json_at(target, _show(value))}{note}")
         else:
             fix.append(f'remove "{dotted}"' + (f' ("{block}" accepts: {", ".join(current)})'
                                                 if block and len(current) <= 12 else ""))
@@ -1080,19 +1148,28 @@ class _Walker:
         block, _, key = dotted.rpartition(".")
         return self.sch.blocks.get(block, {}).get(key)
 
-    def _deprecated(self, dotted: str, key: str, spec: Spec, val: Any, prefix: str, strict: bool) -> None:
+    def _deprecated(self, dotted: str, key: str, spec: Spec, val: Any, prefix: str, strict: bool,
+                    path: tuple) -> None:
         new = spec.deprecated or ""
         title = f'"{dotted}" is deprecated' + (f'; use "{new}"' if new else "")
         fix = _DEPRECATED_FIX.get(key)
         if fix is None and new and " " not in new:
-            fix = f"rename it: {_json_at(prefix + new, _show(val))}"
+            value, note = self._moved(prefix + new, val, (*path, new))
+            fix = f"rename it: {_json_at(prefix + new, _show(value))}{note}"
         self.findings.append(Finding(
             "config.deprecated", "warn", title,
             ["DeepSpeed still maps it to its replacement and logs a deprecation warning; giving both is an error."
              if strict else f'DeepSpeed reads "{dotted}" only when "{new}" is absent.'],
             [fix or f'remove "{dotted}"'], {"key": dotted, "replacement": new or None}))
 
-    def _bad(self, block: str, key: str, dotted: str, val: Any, spec: Spec, severity: str, why: str) -> None:
+    def _bad(self, block: str, key: str, dotted: str, val: Any, spec: Spec, severity: str, why: str,
+             path: tuple) -> None:
+        at, at_path, under = dotted, path, ""
+        new = spec.deprecated
+        if new and new in self.sch.blocks[block] and self.sch.blocks[block][new].deprecated is None:
+            # a deprecated name: the fix sets the value under the current name (the rename finding says so too)
+            at, at_path, under = dotted[: len(dotted) - len(key)] + new, (*path[:-1], new), " under its current name"
+        example = self._value_for(at_path, at, _examples(spec, val, at))
         expect = _expect(spec)
         where = f'DeepSpeed validates "{block}" with a pydantic model: deepspeed.initialize() stops with an error'
         evidence = [f"{_show(val)} is {why}."]
@@ -1102,7 +1179,8 @@ class _Walker:
             evidence.append("DeepSpeed uses values outside its config models as given, without conversion.")
         self.findings.append(Finding(
             "config.bad-value", severity, f"{dotted} = {_show(val)}: expected {expect}", evidence,
-            [f"set it to {expect}, e.g. {_json_at(dotted, _show(_example(spec, val)))}"],
+            [f"set it to {expect}{under}, e.g. {_json_at(at, _show(example))}" if example is not _NO
+             else f'set it to {expect}{under} (no single value settles it here: see the other findings for "{at}")'],
             {"key": dotted, "value": val if isinstance(val, (str, int, float, bool, type(None))) else _show(val),
              "expected": expect}))
 
@@ -1148,12 +1226,15 @@ class _Walker:
                 {"key": "scheduler.type", "value": name, "suggestion": s}))
             return
         params = sch_block.get("params")
+        required = self.sch.schedulers[name][1]
+        needs = ", ".join(f'"{r}": ...' for r in required)
         if "params" not in sch_block or params is None:
             self.findings.append(Finding(
                 "config.bad-value", "fail", f'scheduler "{name}" has no "params"',
                 ["DeepSpeed builds the scheduler as Scheduler(optimizer, **params): without params that is a "
                  "TypeError at start."],
-                [f'"scheduler": {{"type": "{name}", "params": {{}}}}'], {"key": "scheduler.params"}))
+                [f'"scheduler": {{"type": "{name}", "params": {{{needs}}}}}'
+                 + (f"  (fill in {', '.join(required)})" if required else "")], {"key": "scheduler.params"}))
             return
         if not isinstance(params, dict):
             return
@@ -1270,6 +1351,8 @@ def _auto_rule(ctx: _Ctx) -> list[Finding]:
     passed: list[str] = []  # elsewhere: the string "auto" reaches the code
     notes: list[str] = []
     for dotted in _autos(ctx.config):
+        if dotted in ctx.sch.ds_auto:
+            continue  # DeepSpeed's own default for the key: "auto" is what it reads there anyway
         if ctx.for_ == "hf" and dotted in HF_AUTO_KEYS:
             continue
         parts = dotted.split(".")
@@ -1641,8 +1724,21 @@ def _zero_rules(ctx: _Ctx, libaio: str | None) -> list[Finding]:
         out.append(Finding(
             "config.bad-value", "fail", "bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads",
             ['DeepSpeed asserts: "bf16_optimizer_states requires bf16_master_weights_and_grads to be enabled."'],
-            ['"bf16": {"bf16_master_weights_and_grads": true}'], {"key": "bf16.bf16_optimizer_states"}))
+            ['"bf16": {"bf16_master_weights_and_grads": true}'
+             + (', "zero_optimization": {"stage": 2}  (it needs ZeRO stage 1, 2 or 3 too)' if stage == 0 else ""),
+             'or remove "bf16_optimizer_states"'], {"key": "bf16.bf16_optimizer_states"}))
     return out
+
+
+def _findings(config: dict, *, world_size: int | None, for_: str, caps: list[str], libaio: str | None,
+              verify: bool) -> list[Finding]:
+    sch = schema()
+    walker = _Walker(sch, config, for_, verify)
+    walker.walk("", config, "")
+    ctx = _Ctx(config, for_, sch)
+    gpu_caps = _caps(caps)
+    return [*walker.findings, *_auto_rule(ctx), *_precision_rules(ctx, gpu_caps), *_loss_scale_rules(ctx),
+            *_logging_rule(ctx), *_batch_rule(ctx, world_size), *_zero_rules(ctx, libaio)]
 
 
 def check(config: dict, *, world_size: int | None, for_: str, gpu_capabilities: list[str], libaio: str | None,
@@ -1666,12 +1762,7 @@ def check(config: dict, *, world_size: int | None, for_: str, gpu_capabilities: 
     if world_size is not None and world_size < 1:
         raise ValueError(f"world_size must be >= 1, not {world_size}")
     sch = schema()
-    walker = _Walker(sch)
-    walker.walk("", config, "")
-    ctx = _Ctx(config, for_, sch)
-    caps = _caps(gpu_capabilities)
-    findings = [*walker.findings, *_auto_rule(ctx), *_precision_rules(ctx, caps), *_loss_scale_rules(ctx),
-                *_logging_rule(ctx), *_batch_rule(ctx, world_size), *_zero_rules(ctx, libaio)]
+    findings = _findings(config, world_size=world_size, for_=for_, caps=gpu_capabilities, libaio=libaio, verify=True)
     if not any(f.severity in ("warn", "fail") for f in findings):
         findings.append(Finding(
             "config.ok", "ok", f"{path or 'the config'}: no problems found",

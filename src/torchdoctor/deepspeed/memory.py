@@ -613,6 +613,12 @@ def _gib(x: float) -> str:
     return f"{x:.2f}"
 
 
+def _avail(gib: float) -> str:
+    """Memory available, as the table header shows it: one decimal, none for whole numbers (24, 23.5)."""
+    text = f"{gib:.1f}" if gib >= 1 else f"{gib:.2f}"
+    return text[:-2] if text.endswith(".0") else text
+
+
 def _need(row: Row, what: str) -> str:
     if what == "cpu":
         return f"{'>= ' if row.cpu_lower_bound else ''}{_gib(row.cpu_gib)} GiB"
@@ -795,7 +801,8 @@ def judge(rows: list[Row], inputs: Inputs, precision: str,
         least = min(own, key=lambda r: r.gpu_bytes)
         findings.append(Finding(
             "memory.gpu-oom", "fail",
-            f"no ZeRO setup fits {inputs.gpu_gib:g} GiB per GPU: the least is {_need(least, 'gpu')} ({least.label})",
+            f"no ZeRO setup fits {_avail(inputs.gpu_gib)} GiB per GPU: the least is {_need(least, 'gpu')} "
+            f"({least.label})",
             base_evidence + [f"ZeRO-3 with everything offloaded still gathers the largest layer on one GPU: "
                              f"{_need(least, 'gpu')}"],
             ["GPUs with more memory",
@@ -806,7 +813,7 @@ def judge(rows: list[Row], inputs: Inputs, precision: str,
         alts = _alternatives(own, precision, row)
         findings.append(Finding(
             "memory.gpu-oom", "fail",
-            f"{row.label} needs {_need(row, 'gpu')} per GPU, {inputs.gpu_gib:g} GiB available",
+            f"{row.label} needs {_need(row, 'gpu')} per GPU, {_avail(inputs.gpu_gib)} GiB available",
             base_evidence + [f"judged: {why}"],
             [f"use {_row_line(r, inputs.nvme)}" for r in alts]
             or ["add GPUs (ZeRO-1/2/3 divide the sharded states by all GPUs)"],
@@ -820,13 +827,13 @@ def judge(rows: list[Row], inputs: Inputs, precision: str,
             "(launcher: `exits with return code = -9`)"]
         findings.append(Finding(
             "memory.host-oom-at-start", sev,
-            f"{row.label} needs {_need(row, 'cpu')} host RAM per node, {inputs.cpu_gib:g} GiB available",
+            f"{row.label} needs {_need(row, 'cpu')} host RAM per node, {_avail(inputs.cpu_gib)} GiB available",
             evidence, _host_fixes(own, inputs, row), {"row": row.to_json(configured=configured is not None)}))
     elif row is None and inputs.cpu_gib is not None and all(r.fits_cpu is False for r in own):
         least = min(own, key=lambda r: r.cpu_bytes)
         findings.append(Finding(
             "memory.host-oom-at-start", "fail",
-            f"every setup needs more host RAM than {inputs.cpu_gib:g} GiB per node: the least is "
+            f"every setup needs more host RAM than {_avail(inputs.cpu_gib)} GiB per node: the least is "
             f"{_need(least, 'cpu')} ({least.label})",
             base_evidence + _host_terms(least, inputs),
             _host_fixes(own, inputs, least), {"row": least.to_json()}))
@@ -840,9 +847,9 @@ def judge(rows: list[Row], inputs: Inputs, precision: str,
     bad = any(f.severity in ("fail", "warn") and f.id in ("memory.gpu-oom", "memory.host-oom-at-start")
               for f in findings)
     if row is not None and not bad:
-        cpu = (f"{_need(row, 'cpu')} host RAM per node of {inputs.cpu_gib:g}" if inputs.cpu_gib is not None
+        cpu = (f"{_need(row, 'cpu')} host RAM per node of {_avail(inputs.cpu_gib)}" if inputs.cpu_gib is not None
                else f"{_need(row, 'cpu')} host RAM per node (available unknown)")
-        gpu = (f"{_need(row, 'gpu')} per GPU of {inputs.gpu_gib:g}" if inputs.gpu_gib is not None
+        gpu = (f"{_need(row, 'gpu')} per GPU of {_avail(inputs.gpu_gib)}" if inputs.gpu_gib is not None
                else f"{_need(row, 'gpu')} per GPU (available unknown)")
         sev = "ok" if row.fits is True else "info"
         findings.append(Finding(

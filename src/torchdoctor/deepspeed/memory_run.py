@@ -13,16 +13,21 @@ folder holding one), built on the meta device: exact counts, no weights, no netw
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
 import sys
+from fractions import Fraction
 from typing import Any
+
+from .. import _system
+from ..jsonfile import JsonFileError, dumps, load_object
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+MAX_COUNT = 10**16  # parameters: far beyond any model, small enough for every figure to stay a finite float
+MAX_RANKS = 10**6  # --nodes, --gpus-per-node
 _COUNT = re.compile(r"^([0-9][0-9_]*(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+))?\s*([kKmMbBgGtT]?)$")
 
 
@@ -59,24 +64,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_count(text: str, what: str) -> int:
-    """'7e9', '7B', '1.3b', '350M', '7_000_000' -> int; :class:`UsageError` otherwise or when not positive."""
+    """'7e9', '7B', '1.3b', '350M', '7_000_000' -> int; :class:`UsageError` otherwise: not a count, not a whole
+    number ('1.5'), not positive, or above :data:`MAX_COUNT` ('1e400'). Read exactly (no float rounding)."""
     m = _COUNT.match(str(text).strip())
     if not m:
         raise UsageError(f"{what}: cannot read {text!r} as a count (examples: 7e9, 7B, 1.3b, 350M)")
     mant, exp, suffix = m.groups()
-    value = float(mant.replace("_", "")) * 10 ** int(exp or 0) * _SUFFIX[suffix.lower()]
-    if not math.isfinite(value) or value > 1e16:
-        raise UsageError(f"{what}: {text!r} is out of range")
-    n = round(value)
-    if n <= 0:
+    mantissa = Fraction(mant.replace("_", ""))
+    exp = exp or "0"
+    if len(exp.lstrip("+-").lstrip("0")) > 3:  # 1e1000, 1e-1000, 1e999999999: no count, and 10**e would take ages
+        value = Fraction(0) if not mantissa else Fraction(1, 2) if exp.startswith("-") else Fraction(MAX_COUNT + 1)
+    else:
+        value = mantissa * Fraction(10) ** int(exp) * _SUFFIX[suffix.lower()]
+    if value <= 0:
         raise UsageError(f"{what}: must be positive, got {text!r}")
-    return n
+    if value > MAX_COUNT:
+        raise UsageError(f"{what}: {text!r} is out of range (at most 1e16 parameters)")
+    if value.denominator != 1:
+        raise UsageError(f"{what}: {text!r} is not a whole number of parameters; give a count such as 7e9, 7B, "
+                         "1.3b or 350M")
+    return int(value)
 
 
 def parse_int(text: str, what: str) -> int:
     s = str(text).strip()
-    if not re.fullmatch(r"[0-9]+", s) or int(s) <= 0:
+    if not re.fullmatch(r"[0-9]+", s) or not s.strip("0"):
         raise UsageError(f"{what}: must be a positive whole number, got {text!r}")
+    if len(s.lstrip("0")) > 7 or int(s) > MAX_RANKS:
+        raise UsageError(f"{what}: {text!r} is out of range (at most {MAX_RANKS:,})")
     return int(s)
 
 
@@ -94,31 +109,16 @@ def parse_gib(text: str, what: str) -> float:
 # probing ---------------------------------------------------------------------------------------------------------
 
 
-def host_ram_gib(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/cgroup") -> tuple[float | None, str]:
+def host_ram_gib() -> tuple[float | None, str]:
     """This machine's RAM in GiB: MemTotal, lowered to the cgroup memory limit when one is set (the guide's
-    "available or allowed" memory: a container's limit kills as surely as the machine's)."""
-    total = None
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    total = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    if total is None:
+    "available or allowed" memory: a container's limit kills as surely as the machine's). The readers and the rule
+    are :mod:`torchdoctor._system`'s, shared with ``env`` and ``run``."""
+    ram = _system.host_memory_limit()
+    if ram is None:
         return None, "unknown (no /proc/meminfo; pass --cpu-mem)"
-    source = "this machine's MemTotal"
-    for path in (os.path.join(cgroup_root, "memory.max"), os.path.join(cgroup_root, "memory", "memory.limit_in_bytes")):
-        try:
-            with open(path) as f:
-                raw = f.read().strip()
-        except OSError:
-            continue
-        if raw.isdigit() and int(raw) < total:
-            total, source = int(raw), f"cgroup limit {path}"
-        break
-    return total / 2**30, source
+    total = _system.read_meminfo().get("MemTotal")
+    source = "this machine's MemTotal" if ram == total else "this process's cgroup memory limit"
+    return ram / _system.GIB, source
 
 
 def visible_gpus() -> tuple[int, float | None, str]:
@@ -153,12 +153,9 @@ def model_counts(path: str) -> dict[str, Any]:
     else:
         raise UsageError(f"--model {path}: no such file or folder")
     try:
-        with open(cfg_path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"--model {cfg_path}: not a readable JSON file: {e}") from None
-    if not isinstance(raw, dict):
-        raise UsageError(f"--model {cfg_path}: a config must be a JSON object")
+        raw = load_object(cfg_path, "a Hugging Face model config (config.json)")
+    except JsonFileError as e:
+        raise UsageError(f"--model: {e}") from None
     if "auto_map" in raw:
         raise UsageError(f"--model {cfg_path}: the model needs its own code (auto_map), which torchdoctor does not "
                          "run; pass --params and --largest-layer instead")
@@ -195,6 +192,10 @@ def model_counts(path: str) -> dict[str, Any]:
     from .memory import count_params
 
     total, largest, name = count_params(model)
+    if total > MAX_COUNT:
+        raise UsageError(f"--model {cfg_path}: {total:.3g} parameters is out of range (at most 1e16, as for --params)")
+    if total <= 0:
+        raise UsageError(f"--model {cfg_path}: the model has no parameters")
     return {"total_params": total, "largest_layer": largest, "largest_layer_module": name,
             "class": type(model).__name__, "config": cfg_path}
 
@@ -274,11 +275,9 @@ def run(args: argparse.Namespace) -> int:
         configured = None
         nvme = M.NvmeSettings()
         if args.config is not None:
-            from ..env.bundle import BundleError, load_ds_config
-
             try:
-                cfg = load_ds_config(args.config)
-            except BundleError as e:
+                cfg = load_object(args.config, "a DeepSpeed config")
+            except JsonFileError as e:
                 raise UsageError(f"--config: {e}") from None
             try:
                 configured = M.configured_from_ds_config(cfg, args.precision, zero_init)
@@ -320,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
             "judged": None if judged is None else judged.to_json(configured=judged.key == configured_key),
             "note": M.NOTE + "; GiB = 2**30 bytes (DeepSpeed prints the same figures labelled GB)",
         }
-        print(json.dumps(out, indent=1))
+        print(dumps(out, indent=1))
     else:
         what = (f"{model_info['class']} from {model_info['config']}: " if model_info else "")
         what += f"{total:,} params ({M.fmt_count(total)})"

@@ -32,8 +32,9 @@ from something the user *did* change (``do_eval`` from ``eval_strategy``, ``eval
 Command-line strings follow ``HfArgumentParser``: ``--key value``, ``--key=value``, ``--key-name`` as ``key_name``,
 a bare ``--flag`` is ``True``, ``--no_flag`` is ``flag=False`` for bool fields whose default is ``True`` (the only
 ones the parser gives a ``--no_`` form), list fields (``report_to``, ``label_names``...) take every value up to the
-next option. Words before the first option (``python train.py``) are ignored. Without transformers, values are read
-as literals (``true``/``false``, ``null``/``None``, ints, floats, JSON objects and arrays), ``--no_x`` stays ``no_x``.
+next option. Words before the first option (``python train.py``) are left out, and the diff's note says which.
+Without transformers, values are read as literals (``true``/``false``, ``null``/``None``, ints, floats, JSON objects
+and arrays), ``--no_x`` stays ``no_x``.
 """
 
 from __future__ import annotations
@@ -54,13 +55,16 @@ from typing import Any
 
 from ..findings import Finding
 from ..findings import render_markdown as render_findings
-from .facts import Facts, Toolkit
+from ..jsonfile import PICKLE_HINT, PICKLE_SUFFIXES, JsonFileError, json_safe, load_object
+from .facts import Facts
+from .rules import build_toolkit
 
 __all__ = [
     "BundleError",
     "load_ds_config",
     "uses_nvme",
     "load_training_args",
+    "TrainingArgs",
     "training_args_diff",
     "versions",
     "render_markdown",
@@ -75,7 +79,15 @@ class BundleError(ValueError):
 
 SKIPPED_FIELDS = frozenset({"disable_tqdm", "logging_dir", "local_rank"})
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+class TrainingArgs(dict):
+    """The arguments :func:`load_training_args` read (a plain dict of them), with ``notes``: what the reading left
+    out and why, which :func:`training_args_diff` passes on so the report says so."""
+
+    def __init__(self, *args: Any, notes: Iterable[str] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.notes = list(notes)
+
 _PICKLE_HINT = (
     "torchdoctor never unpickles files (loading a pickle runs any code inside it). Pass the arguments as JSON "
     "instead: in your script, `open('training_args.json', 'w').write(trainer.args.to_json_string())`, then "
@@ -91,68 +103,23 @@ _NONE_TYPE = type(None)
 # -- files ----------------------------------------------------------------------------------------------
 
 
-def _read_json_object(path: str, what: str) -> dict:
-    """A JSON object from ``path``; :class:`BundleError` for anything else. Pickles are refused unread."""
-    if path.lower().endswith(PICKLE_SUFFIXES):
-        raise BundleError(f"{path}: a {os.path.splitext(path)[1]} file is a pickle (torch.save), not JSON. "
-                          + _PICKLE_HINT)
-    if os.path.isdir(path):
-        raise BundleError(f"{path}: is a directory; pass the {what} JSON file in it")
-    if not os.path.exists(path):
-        raise BundleError(f"{path}: no such file ({what})")
+def _read_json_object(path: str, what: str, pickle_hint: str = PICKLE_HINT) -> dict:
+    """A JSON object from ``path`` (:func:`torchdoctor.jsonfile.load_object`); :class:`BundleError` otherwise."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise BundleError(f"{path}: cannot read it: {e.strerror or e}") from None
-    # Protocol 2+ pickles start with 0x80 <protocol>; torch.save's zip format with PK\x03\x04. Sniffed, never loaded.
-    if (len(raw) >= 2 and raw[0] == 0x80 and 2 <= raw[1] <= 5) or raw.startswith(b"PK\x03\x04"):
-        raise BundleError(f"{path}: this is a pickle / torch.save file, not JSON. " + _PICKLE_HINT)
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise BundleError(f"{path}: not UTF-8 text (byte {e.start}); the {what} must be a JSON file") from None
-    if not text.strip():
-        raise BundleError(f"{path}: the file is empty; the {what} must be a JSON object")
-
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-        seen: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in seen:
-                # DeepSpeed itself refuses these (dict_raise_error_on_duplicate_keys); json.load would keep the last.
-                raise BundleError(f"{path}: key {k!r} appears twice in one object; DeepSpeed refuses duplicate keys")
-            seen[k] = v
-        return seen
-
-    try:
-        obj = json.loads(text, object_pairs_hook=no_duplicates)
-    except json.JSONDecodeError as e:
-        raise BundleError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    if not isinstance(obj, dict):
-        raise BundleError(f"{path}: the {what} must be a JSON object ({{...}}), got a JSON {_json_kind(obj)}")
-    return obj
-
-
-def _json_kind(obj: Any) -> str:
-    if isinstance(obj, list):
-        return "array"
-    if isinstance(obj, str):
-        return "string"
-    if isinstance(obj, bool):
-        return "boolean"
-    if isinstance(obj, (int, float)):
-        return "number"
-    return "null"
+        return load_object(path, what, pickle_hint=pickle_hint)
+    except JsonFileError as e:
+        raise BundleError(str(e)) from None
 
 
 def load_ds_config(path: str) -> dict:
-    """The DeepSpeed config JSON object at ``path`` (as ``--deepspeed ds_config.json`` would read it).
+    """The DeepSpeed config JSON object at ``path`` (as ``--deepspeed ds_config.json`` would read it; ``-``: stdin).
 
     Raises:
         BundleError: missing file, a directory, a pickle (``.bin``/``.pt``/``.pkl``... or pickle bytes), not UTF-8,
-            invalid JSON (with line and column), a duplicate key, or a top level that is not an object.
+            invalid JSON (``file:line:col`` and the line), a duplicate key, nesting deeper than any config, or a
+            top level that is not an object.
     """
-    return _read_json_object(path, "DeepSpeed config")
+    return _read_json_object(path, "a DeepSpeed config")
 
 
 def uses_nvme(ds_config: dict) -> bool:
@@ -381,6 +348,7 @@ def _parse_cli(spec: str, table: dict[str, _Field] | None) -> dict:
     except ValueError as e:
         raise BundleError(f"cannot split the arguments string like a shell would: {e}") from None
     groups: list[tuple[str, list[str], bool]] = []  # (key, values, given with '=')
+    ignored: list[str] = []
     for w in words:
         if _is_option(w):
             key, eq, value = w.lstrip("-").partition("=")
@@ -393,13 +361,20 @@ def _parse_cli(spec: str, table: dict[str, _Field] | None) -> dict:
             if eq:
                 raise BundleError(f"{w!r} after --{key}={values[0]}: an --option=value takes one value")
             values.append(w)
-        # words before the first option (`python train.py`, `deepspeed train.py`) are not arguments: ignored
+        else:  # words before the first option (`python train.py`, `deepspeed train.py`) are not arguments
+            ignored.append(w)
     if not groups:
         raise BundleError(
             f"{spec!r}: no such file, and no --options in it; pass a JSON file (trainer.args.to_json_string()) "
             "or the arguments as one string, e.g. \"--learning_rate 1e-4 --fp16\""
         )
-    out: dict[str, Any] = {}
+    notes = []
+    if ignored:
+        shown = " ".join(w if w and not any(c.isspace() or c in "'\"\\" for c in w) else shlex.quote(w)
+                         for w in ignored)
+        notes.append(f"ignored before the first --option: {shown} (not arguments of TrainingArguments: a script "
+                     "name, or a stray word?)")
+    out = TrainingArgs(notes=notes)
     for key, values, _ in groups:
         field = table.get(key) if table is not None else None
         if table is not None and field is None and key.startswith("no_") and not values:
@@ -435,7 +410,7 @@ def load_training_args(spec: str) -> dict:
         raise BundleError(f"{path}: training_args.bin and other {os.path.splitext(path)[1]} files are pickles. "
                           + _PICKLE_HINT)
     if os.path.isfile(path):
-        args = _read_json_object(path, "training arguments")
+        args = _read_json_object(path, "a TrainingArguments file (to_json_string() output)", _PICKLE_HINT)
         if table is None:
             return args
         out = {}
@@ -532,6 +507,7 @@ def training_args_diff(args: dict) -> dict:
         ``*api_key``, ``*password``, ``*secret``) never carry their value, only ``"<redacted>"``.
     """
     info = _ta_fields()
+    given_notes = list(getattr(args, "notes", ()))
     args = {k: _norm(v) for k, v in args.items()}
     if info is None:
         changed = {k: (_REDACTED if _SECRET_KEY.search(k) else v) for k, v in args.items()
@@ -540,8 +516,9 @@ def training_args_diff(args: dict) -> dict:
             "changed": changed,
             "unknown": [],
             "defaults_from": None,
-            "note": "transformers is not importable here, so its defaults are unknown: every argument given is "
-                    "listed, and none could be checked against the TrainingArguments fields.",
+            "note": "; ".join([*given_notes, "transformers is not importable here, so its defaults are unknown: "
+                               "every argument given is listed, and none could be checked against the "
+                               "TrainingArguments fields"]),
         }
     table, source = info
     for old, new in (("gradient_checkpointing", "activation_checkpointing"),
@@ -567,11 +544,11 @@ def training_args_diff(args: dict) -> dict:
                 skipped.append(key)  # worth a word only when it is not what an untouched run shows
         elif not _is_default(key, value, field.default, args):
             changed[key] = value
-    note = None
+    notes = list(given_notes)
     if skipped:
-        note = (f"not compared: {', '.join(skipped)} (set by the environment or derived by TrainingArguments, "
-                "not chosen by the user)")
-    return {"changed": changed, "unknown": unknown, "defaults_from": source, "note": note}
+        notes.append(f"not compared: {', '.join(skipped)} (set by the environment or derived by TrainingArguments, "
+                     "not chosen by the user)")
+    return {"changed": changed, "unknown": unknown, "defaults_from": source, "note": "; ".join(notes) or None}
 
 
 # -- versions -------------------------------------------------------------------------------------------
@@ -594,18 +571,6 @@ _VERSION_LABELS = {
 }
 
 
-def _build_toolkit(facts: Facts) -> Toolkit | None:
-    """The toolkit an extension build (DeepSpeed's op builder) would use, matched without touching the disk."""
-    for home in (facts.deepspeed_cuda_home, facts.torch.cuda_home, facts.nvcc_on_path_root):
-        if not home:
-            continue
-        home = home.rstrip("/") or "/"
-        for t in facts.toolkits:
-            if home == t.root or home in t.found_via:
-                return t
-    return facts.toolkits[0] if len(facts.toolkits) == 1 else None
-
-
 def _gpu_summary(facts: Facts) -> str | None:
     if not facts.gpus:
         return None
@@ -620,15 +585,16 @@ def versions(facts: Facts) -> dict[str, str | None]:
     """Versions as the tools print them; None: not installed / not found.
 
     Keys: python, os, torch, torch_cuda (``torch.version.cuda``; None for a CPU build), torch_hip, cudnn, nccl,
-    transformers, accelerate, deepspeed, nvcc (the toolkit DeepSpeed's op builds use, "12.4" as
-    ``nvcc --version`` says "release 12.4"), gpus ("8 x NVIDIA H200 (9.0)"), driver.
+    transformers, accelerate, deepspeed, nvcc (the toolkit DeepSpeed's op builds use,
+    :func:`torchdoctor.env.rules.build_toolkit`, "12.4" as ``nvcc --version`` says "release 12.4"), gpus
+    ("8 x NVIDIA H200 (9.0)"), driver.
     """
 
     def pkg(name: str) -> str | None:
         p = facts.packages.get(name)
         return p.version if p else None
 
-    tk = _build_toolkit(facts)
+    tk = build_toolkit(facts)  # the same toolkit env's rules judge
     t = facts.torch
     return {
         "python": facts.python or None,
@@ -741,11 +707,15 @@ def render_markdown(facts: Facts, findings: Iterable[Finding], ds_config: dict |
 
 
 def to_json(facts: Facts, findings: Iterable[Finding], ds_config: dict | None, ta: dict | None) -> dict:
-    """The bundle for ``--json``: versions, findings, ds_config (secrets redacted), training_args (the diff), facts."""
-    return {
+    """The bundle for ``--json``: versions, findings, ds_config (secrets redacted), training_args (the diff), facts.
+
+    JSON has no NaN or infinity: non-finite floats (``--num_train_epochs 1e400``, ``"loss_scale": NaN``) are the
+    strings ``"nan"``, ``"inf"``, ``"-inf"`` (:func:`torchdoctor.jsonfile.json_safe`).
+    """
+    return json_safe({
         "versions": versions(facts),
         "findings": [f.to_json() for f in findings],
         "ds_config": None if ds_config is None else _redact_config(ds_config),
         "training_args": None if ta is None else _as_diff(ta),
         "facts": facts.to_json(),
-    }
+    })

@@ -8,14 +8,16 @@ the TrainingArguments that differ from transformers' defaults. Nothing is ever u
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from ..jsonfile import dumps
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ds-config", metavar="FILE", default=None, help="the DeepSpeed config (JSON) of the run")
+    parser.add_argument("--ds-config", metavar="FILE", default=None,
+                        help="the DeepSpeed config (JSON) of the run; -: read it from standard input")
     parser.add_argument("--training-args", metavar="FILE_OR_ARGS", default=None,
                         help="TrainingArguments as JSON (trainer.args.to_json_string() saved to a file) or the "
                              "command-line arguments in one string, e.g. \"--learning_rate 3e-5 --fp16\"")
@@ -27,8 +29,11 @@ def run(args: argparse.Namespace) -> int:
     from .bundle import BundleError, load_ds_config, load_training_args, render_markdown, to_json, training_args_diff
 
     try:
-        ds = load_ds_config(args.ds_config) if args.ds_config else None
-        ta = training_args_diff(load_training_args(args.training_args)) if args.training_args else None
+        if args.ds_config is not None and not args.ds_config.strip():
+            raise BundleError("--ds-config is empty; pass the DeepSpeed config file (or - for standard input)")
+        ds = load_ds_config(args.ds_config) if args.ds_config is not None else None
+        # an empty --training-args is refused (load_training_args says so), not taken for "not given"
+        ta = training_args_diff(load_training_args(args.training_args)) if args.training_args is not None else None
     except BundleError as e:
         print(f"torchdoctor report: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -37,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     facts = probe.collect()
     findings = rules.judge(facts, nvme_offload=bool(ds and uses_nvme(ds)))
-    text = (json.dumps(to_json(facts, findings, ds, ta), indent=1) if args.json
+    text = (dumps(to_json(facts, findings, ds, ta), indent=1) if args.json
             else render_markdown(facts, findings, ds, ta))
     print(text)
     if args.output:
