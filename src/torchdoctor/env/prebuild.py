@@ -50,9 +50,12 @@ def commands(facts: Facts, recommended: str | None, nvme: bool = False, jobs: in
         "git clone https://github.com/deepspeedai/DeepSpeed/",
         "cd DeepSpeed",
         "rm -rf build",
-        f'TORCH_CUDA_ARCH_LIST="{arch}" {ops} pip install . \\',
-        f'  --global-option="build_ext" --global-option="-j{jobs}" --no-cache -v \\',
-        "  --disable-pip-version-check 2>&1 | tee build.log",
+        # pip 25.3 removed --global-option (the guide's `--global-option="build_ext" --global-option="-jN"`):
+        # torch's BuildExtension takes the parallel jobs from MAX_JOBS instead, with any pip
+        f'TORCH_CUDA_ARCH_LIST="{arch}" {ops} MAX_JOBS={jobs} pip install . \\',
+        "  --no-build-isolation --no-cache-dir -v --disable-pip-version-check 2>&1 | tee build.log",
+        f'# (the guide\'s form, pip < 25.3 only: ... pip install . --global-option="build_ext" '
+        f'--global-option="-j{jobs}" --no-cache -v ...)',
         "",
         "# 2. or build a wheel once, for several machines with the same setup",
         "git clone https://github.com/deepspeedai/DeepSpeed/",
