@@ -1,6 +1,7 @@
-"""Facts about this machine's memory that several commands need: /proc/meminfo, the cgroup limit, units.
+"""Facts about this machine that several commands need: /proc/meminfo, the cgroup limit, units, the NVIDIA
+kernel module's version.
 
-One reader each, so ``env``, ``ds memory`` and ``run`` agree on what "available" means.
+One reader each, so ``env``, ``ds memory``, ``comm`` and ``run`` agree.
 """
 
 from __future__ import annotations
@@ -91,3 +92,10 @@ def host_memory_limit() -> int | None:
     if limit is not None and (total is None or limit < total):
         return limit
     return total
+
+
+def kernel_driver_version() -> str | None:
+    """The NVIDIA driver version as the kernel module reports it (None: no module loaded, or unreadable)."""
+    text = read_text("/proc/driver/nvidia/version")
+    m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text or "")
+    return m.group(1) if m else None

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-import re
 import socket
 import subprocess
 from collections.abc import Mapping
 from typing import Any
+
+from .._system import kernel_driver_version
 
 ENV_PREFIXES = ("NCCL_",)
 ENV_NAMES = ("CUDA_VISIBLE_DEVICES",)
@@ -27,13 +28,8 @@ def _nccl_version(torch) -> str | None:
 
 def _driver_version() -> str | None:
     """The NVIDIA driver version, from the kernel module's file or nvidia-smi (torch does not expose it)."""
-    try:
-        with open("/proc/driver/nvidia/version") as f:
-            m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", f.read())
-        if m:
-            return m.group(1)
-    except OSError:
-        pass
+    if version := kernel_driver_version():
+        return version
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=10)

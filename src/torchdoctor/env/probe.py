@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .._system import GIB, cgroup_memory, read_meminfo
+from .._system import GIB, cgroup_memory, kernel_driver_version, read_meminfo
 from .facts import BuildHome, Compiler, Facts, Gpu, HostCompiler, PackageFacts, PathEntry, Toolkit, TorchFacts
 
 TOOL_TIMEOUT_S = 5.0  # one tool's limit
@@ -279,16 +279,10 @@ def probe_gpus(torch_facts: TorchFacts, errors: _Errors) -> tuple[list[Gpu], str
 
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            gpus.append(Gpu(i, p.name, f"{p.major}.{p.minor}", round(p.total_memory / 2**30, 1),
+            gpus.append(Gpu(i, p.name, f"{p.major}.{p.minor}", round(p.total_memory / GIB, 1),
                             str(getattr(p, "uuid", "")) or None))
-    if driver is None:
-        try:
-            with open("/proc/driver/nvidia/version") as f:
-                m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", f.read())
-            if m:
-                driver, source = m.group(1), "/proc/driver/nvidia/version"
-        except OSError:
-            pass
+    if driver is None and (driver := kernel_driver_version()):
+        source = "/proc/driver/nvidia/version"
     return gpus, driver, source
 
 
