@@ -348,3 +348,53 @@ def test_an_unreachable_store_is_named_with_its_address():
     assert [f["id"] for f in out["findings"]] == ["comm.store-unreachable"]
     assert f"127.0.0.1:{port}" in out["findings"][0]["title"]
     assert out["findings"][0]["evidence"] == ["no answer within 3 s"]
+
+
+# A daemon thread inside a C++ store call when Python finalizes is killed by pthread_exit through a noexcept
+# frame: SIGABRT ("terminate called without an active exception"). CI once saw a passing rank die so, its
+# heartbeat thread caught mid-add at exit. A passing rank must leave without finalizing.
+_BUSY_STORE_THREAD = """
+import datetime, sys, threading
+from torch.distributed import TCPStore
+from torchdoctor.comm.launch import Launch, free_port
+from torchdoctor.comm.session import Options, RankSession
+
+port = free_port()
+launch = Launch(0, 1, 0, "127.0.0.1", port, "env")
+session = RankSession(launch, Options(backend="gloo", timeout=20, json=True))
+if sys.argv[1] == "busy":
+    def hammer():
+        client = TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=20))
+        while True:
+            client.add("busy", 1)
+    started = session.enter  # the store exists once the session has connected: start hammering then
+    def enter(name, detail=""):
+        started(name, detail)
+        if name == "join":
+            threading.Thread(target=hammer, daemon=True).start()
+    session.enter = enter
+session.run()
+print("run() returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["quiet", "busy"])
+def test_passing_rank_leaves_without_finalizing(mode):
+    p = subprocess.run([sys.executable, "-c", _BUSY_STORE_THREAD, mode], capture_output=True, text=True,
+                       timeout=120, env=_env())
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "run() returned" not in p.stdout
+    out = the_json(p.stdout)
+    assert [r["status"] for r in out["ranks"]] == ["ok"]
+
+
+def test_closing_the_side_channel_stops_the_heartbeat_thread():
+    from torchdoctor.comm.launch import Launch
+    from torchdoctor.comm.sidechannel import SideChannel
+
+    ch = SideChannel(Launch(0, 1, 0, "127.0.0.1", free_port(), "env"), timeout=10)
+    ch.start_heartbeat()
+    time.sleep(0.3)
+    assert ch.heartbeats()[0] >= 1
+    ch.close()
+    assert not ch._beat_thread.is_alive()

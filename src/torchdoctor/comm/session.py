@@ -4,6 +4,9 @@ Never hang: each stage has a deadline watched by a thread; a missed deadline, an
 from the launcher all end in :meth:`RankSession.fail`, which records the failure in the side channel,
 waits briefly for the other ranks' records to settle, prints the verdict (if this rank is the reporter)
 and leaves with ``os._exit`` -- a process group with a dead peer cannot be torn down reliably.
+A passing rank leaves with ``os._exit`` too: Python's finalization kills daemon threads with ``pthread_exit``,
+which aborts the process when one of them is inside a C++ call (torch's store client), so the verdict
+"all ok" could end in SIGABRT.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from ..findings import Finding, render_text
 from . import checks, identity, rules
@@ -168,7 +172,7 @@ class RankSession:
     def _arm_hard_exit_after(self, settle: float) -> None:
         faulthandler.dump_traceback_later(settle + HARD_EXIT_S, exit=True)
 
-    def _exit(self, code: int) -> None:
+    def _exit(self, code: int) -> NoReturn:
         try:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -267,7 +271,7 @@ class RankSession:
         ch.close()
 
     # -- the run -----------------------------------------------------------------------------------
-    def run(self) -> int:
+    def run(self) -> NoReturn:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # before any thread: only _sigterm gets it
         threading.Thread(target=self._sigterm, name="torchdoctor-sigterm", daemon=True).start()
         threading.Thread(target=self._watchdog, name="torchdoctor-watchdog", daemon=True).start()
@@ -332,7 +336,7 @@ class RankSession:
             time.sleep(HARD_EXIT_S)
         self.deadline = None
         self._arm_hard_exit_after(self.opts.timeout)
-        return self.report(settle=self.opts.timeout)
+        self._exit(self.report(settle=self.opts.timeout))
 
     def _bench(self, torch, dist, device) -> None:
         from .bench import Progress, run_bench

@@ -101,8 +101,14 @@ class SideChannel:
         self._beat_thread = threading.Thread(target=beat, name="torchdoctor-heartbeat", daemon=True)
         self._beat_thread.start()
 
-    def stop_heartbeat(self) -> None:
+    def stop_heartbeat(self, wait: float = 2.0) -> None:
+        """Stop the heartbeat and wait (bounded) for its thread to leave the store client. A daemon thread
+        still inside a C++ store call when Python finalizes is killed by ``pthread_exit`` unwinding through
+        a noexcept frame: the process aborts ("terminate called without an active exception", SIGABRT)."""
         self._beat_stop.set()
+        t = self._beat_thread
+        if t is not None and t is not threading.current_thread():
+            t.join(wait)
 
     def claim_report(self) -> bool:
         """True for exactly one call per run: the rank that prints the summary (asks the store once)."""
