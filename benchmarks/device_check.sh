@@ -28,5 +28,5 @@ step nccl1_bench 150 --local 1 --bench --sizes 1M:1G:8 --iters 20
 step nccl2_shared_gpu 90 --local 2 --backend nccl --timeout 20
 step gloo2_gpu 90 --local 2 --backend gloo --bench --sizes 1M,64M --iters 10
 echo "== numerics" >>"$log"
-timeout 240 "$PY" benchmarks/gpu_check.py --steps 20 --json "$OUT/numerics.json" >>"$log" 2>&1
+timeout 300 "$PY" benchmarks/gpu_check.py --steps 20 --json "$OUT/numerics.json" >>"$log" 2>&1
 echo "numerics rc=$?" >>"$log"

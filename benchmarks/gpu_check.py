@@ -9,7 +9,9 @@ measures, on the device:
   ``x.abs().amax()``, ``aminmax(x)``), since the monitor's choice was measured on CPU;
 * the per-step gradient check (one ``aminmax`` per gradient) against a fused ``_foreach_norm(inf)``;
 * step time of a T5-shaped model under fp16 autocast, bare vs ``NumericsMonitor`` at each level
-  (interleaved, CUDA-event timed), and the waits per step of each.
+  (interleaved, CUDA-event timed), and the waits per step of each;
+* where the monitor's time goes: a variant with a no-op forward hook on every module (the Python cost of
+  hooking alone) and the device kernels launched per step at each level (torch.profiler).
 
 Usage: ``python benchmarks/gpu_check.py [--device cuda] [--steps 20] [--json out.json]``. Without a
 CUDA device it says so and exits 0 (``--device cpu`` runs the same code on CPU, as a smoke test).
@@ -78,6 +80,33 @@ def statistic_costs(device: torch.device, reps: int) -> dict[str, dict[str, floa
     return out
 
 
+def kernels_per_step(fn, device: torch.device) -> int | None:
+    """Device kernels launched by one ``fn()`` (None on CPU, where there are none to count)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if "CUDA" in str(e.device_type))
+    except Exception as e:  # a profiler that cannot start (CUPTI missing) must not cost the other figures
+        print(f"gpu_check: kernel count unavailable: {type(e).__name__}: {e}")
+        return None
+
+
+def hook_every_module(model) -> None:
+    """A forward hook that does nothing on every module: what hooking alone costs per step."""
+    def noop(module, args, kwargs, output):
+        return None
+
+    for module in model.modules():
+        module.register_forward_hook(noop, with_kwargs=True)
+
+
 def build(device: torch.device):
     from transformers import T5Config, T5ForConditionalGeneration
 
@@ -118,12 +147,16 @@ def main() -> int:
     }
 
     amp = device.type == "cuda"
-    variants = {"bare": None, "none": "none", "params": "params", "modules": "modules"}
+    variants = {"bare": None, "noop hooks": "noop", "none": "none", "params": "params", "modules": "modules"}
     runs = {}
     for name, level in variants.items():
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=device.type == "cuda")
-        mon = NumericsMonitor(model, optimizer=opt, grads=level) if level else None
+        mon = None
+        if level == "noop":
+            hook_every_module(model)
+        elif level:
+            mon = NumericsMonitor(model, optimizer=opt, grads=level)
 
         def step(model=model, opt=opt):
             with torch.autocast(device.type, dtype=torch.float16 if amp else torch.bfloat16, enabled=amp):
@@ -141,6 +174,8 @@ def main() -> int:
     result["step_ms"] = {name: statistics.median(t) for name, t in times.items()}
     result["ratio"] = {name: statistics.median(t) / bare for name, t in times.items()}
     result["waits_per_step"] = {name: count_waits(step, device) for name, (step, _mon) in runs.items()}
+    result["kernels_per_step"] = {name: kernels_per_step(step, device) for name, (step, _mon) in runs.items()}
+    result["modules"] = sum(1 for _ in base.modules())
     for _step, mon in runs.values():
         if mon is not None:
             mon.close()
