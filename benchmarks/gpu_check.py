@@ -80,6 +80,39 @@ def statistic_costs(device: torch.device, reps: int) -> dict[str, dict[str, floa
     return out
 
 
+def statistic_host_us(device: torch.device, calls: int = 2000) -> dict[str, float]:
+    """Host microseconds per call of each candidate statistic when calls are issued back to back (the
+    dispatch cost that bounds a launch-bound step), and whether each one sees a nan and a -inf."""
+    x = torch.randn(8, 64, 1024, device=device, dtype=torch.float16 if device.type == "cuda" else torch.float32)
+    inf = float("inf")
+    candidates = {
+        "aminmax(abs)": lambda t: torch.aminmax(t.abs()),
+        "aminmax(x)": lambda t: torch.aminmax(t),
+        "vector_norm(inf) + vector_norm(-inf)": lambda t: (torch.linalg.vector_norm(t, inf),
+                                                           torch.linalg.vector_norm(t, -inf)),
+        "vector_norm(inf)": lambda t: (torch.linalg.vector_norm(t, inf),),
+    }
+    bad = x.clone()
+    bad[3, 7, 11] = float("nan")
+    neg = x.clone()
+    neg[1, 2, 3] = -inf
+    out = {}
+    for name, fn in candidates.items():
+        for _ in range(50):
+            fn(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(x)
+        host = (time.perf_counter() - t0) / calls * 1e6
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        sees = all(not torch.isfinite(torch.stack([r.float() for r in fn(b)])).all().item() for b in (bad, neg))
+        out[name] = {"host_us": host, "sees_nan_and_-inf": sees}
+    return out
+
+
 def kernels_per_step(fn, device: torch.device) -> int | None:
     """Device kernels launched by one ``fn()`` (None on CPU, where there are none to count)."""
     if device.type != "cuda":
@@ -96,6 +129,23 @@ def kernels_per_step(fn, device: torch.device) -> int | None:
     except Exception as e:  # a profiler that cannot start (CUPTI missing) must not cost the other figures
         print(f"gpu_check: kernel count unavailable: {type(e).__name__}: {e}")
         return None
+
+
+def fused_check_misses(device: torch.device) -> list[str]:
+    """Cases where the fused gradient check on ``device`` disagrees with the truth (must be empty)."""
+    from torchdoctor.numerics.stats import finite_flags_of
+
+    misses = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for bad in (None, float("nan"), float("inf"), float("-inf")):
+            for where, n in enumerate((7, 1 << 20, 1)):
+                ts = [torch.randn(m, device=device, dtype=dtype) for m in (7, 1 << 20, 1)]
+                if bad is not None:
+                    ts[where][n // 2 + (n > 1)] = bad
+                got = bool(finite_flags_of(ts, fused=True)[0].item())
+                if got != (bad is None):
+                    misses.append(f"{dtype} {bad} in tensor {where}")
+    return misses
 
 
 def hook_every_module(model) -> None:
@@ -134,17 +184,22 @@ def main() -> int:
         print("gpu_check: no CUDA device here; nothing to measure (use --device cpu for a smoke run)")
         return 0
     from torchdoctor import NumericsMonitor
+    from torchdoctor.numerics.stats import finite_flags_of, fused_check_works
 
     device = torch.device(args.device)
     result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     result["statistic_ms"] = statistic_costs(device, max(5, args.steps))
+    result["statistic_host_us"] = statistic_host_us(device)
 
     base, batch = build(device)
     grads = [torch.randn_like(p) for p in base.parameters()]
     result["grad_check_ms"] = {
         "aminmax per gradient": _time(lambda: [torch.aminmax(gr) for gr in grads], device, args.steps),
         "_foreach_norm(inf)": _time(lambda: torch._foreach_norm(grads, float("inf")), device, args.steps),
+        "finite_flags_of (auto)": _time(lambda: finite_flags_of(grads), device, args.steps),
     }
+    result["fused_check_works"] = fused_check_works(device)
+    result["fused_check_misses"] = fused_check_misses(device)
 
     amp = device.type == "cuda"
     variants = {"bare": None, "noop hooks": "noop", "none": "none", "params": "params", "modules": "modules"}

@@ -226,6 +226,7 @@ def test_bench_bandwidths_follow_the_nccl_tests_formulas():
     sizes = {b["op"]: b["bytes"] for b in bench if b["bytes"] > 4096}
     assert sizes == {"all_reduce": 1000000, "broadcast": 1000000, "all_gather": 1000000,
                      "reduce_scatter": 1000000, "all_to_all": 1000000}
+    assert "comm.bench-one-rank" not in {f["id"] for f in out["findings"]}
     proc = comm("--local", "3", "--json", "--bench", "--sizes", "1000000", "--iters", "2", "--warmup", "0")
     sizes = {b["op"]: b["bytes"] for b in the_json(proc.stdout)["bench"]}
     # 3 ranks x 4-byte elements: the sharded ops round down to whole shards of 83333 floats
@@ -398,3 +399,18 @@ def test_closing_the_side_channel_stops_the_heartbeat_thread():
     assert ch.heartbeats()[0] >= 1
     ch.close()
     assert not ch._beat_thread.is_alive()
+
+
+def test_one_rank_benchmark_says_its_figures_are_not_a_bandwidth():
+    script = """
+from torchdoctor.comm.launch import Launch, free_port
+from torchdoctor.comm.session import Options, RankSession
+RankSession(Launch(0, 1, 0, "127.0.0.1", free_port(), "env"),
+            Options(backend="gloo", timeout=20, json=True, bench=True, sizes=[1024], iters=2, warmup=1)).run()
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=_env())
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = the_json(p.stdout)
+    assert {b["op"] for b in out["bench"]} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"}
+    note = [f for f in out["findings"] if f["id"] == "comm.bench-one-rank"]
+    assert len(note) == 1 and note[0]["severity"] == "info"

@@ -229,6 +229,13 @@ class RankSession:
                 ", ring" if self.launch.world_size > 1 else "") + ", barrier" + (", bench" if self.opts.bench else "")
             findings.insert(0, Finding("comm.ok", "ok", f"all {len(rows)} ranks passed every stage ({stages})",
                                        data={"backend": self.backend}))
+        if self.opts.bench and self.launch.world_size == 1:
+            findings.append(Finding(
+                "comm.bench-one-rank", "info",
+                "one rank: the benchmark moved no data between devices, so its GB/s are not a bandwidth",
+                evidence=["with a single rank every collective is a local no-op (NCCL returns in ~20 us whatever "
+                          "the size), and the nccl-tests factor for broadcast is 1 at any rank count"],
+                fix=["measure links with 2 or more ranks: torchrun --nproc_per_node 2 -m torchdoctor comm --bench"]))
         code = EXIT_USAGE if self.usage_error else (
             EXIT_PROBLEMS if any(f.severity == "fail" for f in findings) else EXIT_OK)
         return rows, findings, code, snap
