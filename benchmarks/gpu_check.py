@@ -174,6 +174,30 @@ def build(device: torch.device):
     return model, batch
 
 
+def training_step(base, batch, device: torch.device, level: str | None):
+    """(step function, monitor) for a fresh copy of ``base``: fp16 autocast on CUDA, AdamW. ``level`` is a
+    NumericsMonitor grads level, "noop" (a do-nothing hook on every module) or None (bare)."""
+    from torchdoctor import NumericsMonitor
+
+    amp = device.type == "cuda"
+    model = copy.deepcopy(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=amp)
+    mon = None
+    if level == "noop":
+        hook_every_module(model)
+    elif level:
+        mon = NumericsMonitor(model, optimizer=opt, grads=level)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.float16 if amp else torch.bfloat16, enabled=amp):
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step, mon
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -183,7 +207,6 @@ def main() -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to measure (use --device cpu for a smoke run)")
         return 0
-    from torchdoctor import NumericsMonitor
     from torchdoctor.numerics.stats import finite_flags_of, fused_check_works
 
     device = torch.device(args.device)
@@ -201,26 +224,8 @@ def main() -> int:
     result["fused_check_works"] = fused_check_works(device)
     result["fused_check_misses"] = fused_check_misses(device)
 
-    amp = device.type == "cuda"
     variants = {"bare": None, "noop hooks": "noop", "none": "none", "params": "params", "modules": "modules"}
-    runs = {}
-    for name, level in variants.items():
-        model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=device.type == "cuda")
-        mon = None
-        if level == "noop":
-            hook_every_module(model)
-        elif level:
-            mon = NumericsMonitor(model, optimizer=opt, grads=level)
-
-        def step(model=model, opt=opt):
-            with torch.autocast(device.type, dtype=torch.float16 if amp else torch.bfloat16, enabled=amp):
-                loss = model(**batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-
-        runs[name] = (step, mon)
+    runs = {name: training_step(base, batch, device, level) for name, level in variants.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.steps):  # interleaved
         for name, (step, _mon) in runs.items():

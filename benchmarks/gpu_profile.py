@@ -10,14 +10,13 @@ Usage: ``python benchmarks/gpu_profile.py [--device cuda] [--level none] [--top 
 from __future__ import annotations
 
 import argparse
-import copy
 import cProfile
 import io
 import pstats
 
 import torch
 
-from gpu_check import build
+from gpu_check import build, training_step
 
 
 def main() -> int:
@@ -31,23 +30,11 @@ def main() -> int:
         return 0
     from torch.profiler import ProfilerActivity, profile
 
-    from torchdoctor import NumericsMonitor
-
     device = torch.device(args.device)
     amp = device.type == "cuda"
     base, batch = build(device)
     for name in ("bare", args.level):
-        model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=amp)
-        mon = NumericsMonitor(model, optimizer=opt, grads=args.level) if name != "bare" else None
-
-        def step(model=model, opt=opt):
-            with torch.autocast(device.type, dtype=torch.float16 if amp else torch.bfloat16, enabled=amp):
-                loss = model(**batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-
+        step, mon = training_step(base, batch, device, None if name == "bare" else args.level)
         for _ in range(3):
             step()
         if amp:
