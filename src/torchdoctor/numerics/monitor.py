@@ -57,7 +57,7 @@ from .frames import BWD, FWD, MARK, Frame, ModuleInfo, ResolvedFrame, Slot, meas
 from .options import check_options
 from .report import FirstNonFinite, NonFiniteReport, build_report, find_first_bad
 from .slots import input_slots, output_slots
-from .stats import StatBuffer, all_finite, finite_flags_of, has_inf
+from .stats import StatBuffer, all_finite, finite_flags_of, fused_check_works, has_inf
 from .trace import TraceWriter
 from .wrappers import unwrap_model
 
@@ -212,6 +212,8 @@ class NumericsMonitor:
             )
         self._infos: dict[int, ModuleInfo] = {}
         self._params = [p for p in self.model.parameters() if p.requires_grad]
+        for device in {p.device for p in self._params if p.device.type not in ("cpu", "meta")}:
+            fused_check_works(device)  # its one host sync here, at attach time, never inside a step
         for name, module in modules:
             info = ModuleInfo(name, type(module).__name__, weakref.ref(module), is_root=module is self.model)
             self._infos[id(module)] = info

@@ -159,7 +159,7 @@ _fused_ok: dict[tuple[str, int | None], bool] = {}
 def fused_check_works(device: torch.device) -> bool:
     """Does ``torch._foreach_norm(ts, inf)`` on ``device`` give nan for a nan and inf for a -inf?
 
-    Asked once per device (one host sync at the first gradient check, never again): a torch whose fused
+    Asked once per device (one host sync; the monitor asks when it attaches, never inside a step): a torch whose fused
     kernel took ``fmax`` somewhere would silently miss a nan, so the fast path is used only where it is seen
     to propagate. The probe spans several blocks of the kernel (a nan deep inside a 2**18-element tensor).
     """
