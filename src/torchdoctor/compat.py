@@ -25,11 +25,10 @@ from collections import deque
 from torch import nn
 
 from .numerics.frames import ResolvedFrame
-from .numerics.monitor import NumericsMonitor, _Step
+from .numerics.monitor import NumericsMonitor
 from .numerics.overflow import detect_overflow
 from .numerics.render import PREFIX, format_frame, hf_header
 from .numerics.report import build_report
-from .numerics.stats import all_finite
 
 __all__ = ["DebugUnderflowOverflow", "detect_overflow"]
 
@@ -115,17 +114,17 @@ class _HFEngine(NumericsMonitor):
     def _close_step(self, source: str, abort_check: bool = True) -> None:
         owner = self._owner
         batch = self.step_index
-        if not self._frames:
+        if not self._rec.frames:
             return
         if batch in owner.trace_batch_nums:
             # transformers prints each frame as it completes; detection is off in a traced batch
-            for frame in self._resolved([_Step(self._frames, self._buffer)]):
+            for frame in self._resolved([self._rec]):
                 self._overflow_messages(frame)
                 self._print(self._hf_frame(frame))
             self._history.clear()  # transformers starts its frame buffer afresh after a traced batch
             self._rotate_step_only()
         else:
-            flag = all_finite(self._buffer.finite_flags())
+            flag = self._rec.activation_flag()
             ok = True if flag is None else bool(flag.item())  # the one host sync
             if not ok:
                 self._dump(batch)
@@ -145,7 +144,7 @@ class _HFEngine(NumericsMonitor):
         """transformers raises its ValueError from the first bad module's hook, before the forward can
         fail on its own; here the forward's own exception propagates (torch silences ours), so print
         the same report before it."""
-        flag = all_finite(self._buffer.finite_flags())
+        flag = self._rec.activation_flag()
         if flag is not None and not bool(flag.item()):
             self._dump(self.step_index, root_ran=False)
         # else: keep the frames, as transformers keeps them in its buffer

@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .wrappers import unwrap_model
+from .wrappers import named_user_modules
 
 __all__ = ["Fp32Guard", "keep_fp32"]
 
@@ -356,7 +356,7 @@ def _match(root: nn.Module, pattern: str | re.Pattern[str]) -> list[tuple[str, n
     shown = pattern.pattern if is_regex else pattern
     names: list[str] = []
     found: list[tuple[str, nn.Module]] = []
-    for name, module in root.named_modules():
+    for name, module in named_user_modules(root):
         names.append(name)
         hit = pattern.fullmatch(name) is not None if is_regex else fnmatch.fnmatchcase(name, pattern)
         if not hit or not _has_own_forward(module):
@@ -384,7 +384,7 @@ def _resolve(
             raise ValueError("keep_fp32: give the pattern once (as target with model=, or as pattern)")
         if model is None:
             raise ValueError(f"keep_fp32: pattern {target!r} needs model= (the root module to search)")
-        return _match(unwrap_model(model), target)
+        return _match(model, target)
     if pattern is not None:
         if not isinstance(target, nn.Module):
             raise ValueError(f"keep_fp32: with a pattern, target must be the root nn.Module, got {type(target)}")
@@ -392,7 +392,7 @@ def _resolve(
             raise ValueError("keep_fp32: pass either a root module with a pattern, or model=, not both")
         if not isinstance(pattern, (str, re.Pattern)):
             raise ValueError(f"keep_fp32: pattern must be a glob string or a compiled regex, got {type(pattern)}")
-        return _match(unwrap_model(target), pattern)
+        return _match(target, pattern)
 
     targets = [target] if isinstance(target, nn.Module) else target
     if not isinstance(targets, (list, tuple)) or not targets:
@@ -402,7 +402,7 @@ def _resolve(
         )
     names_by_id: dict[int, str] = {}
     if model is not None:
-        names_by_id = {id(m): name for name, m in unwrap_model(model).named_modules()}
+        names_by_id = {id(m): name for name, m in named_user_modules(model)}
     resolved: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
     for module in targets:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .slots import NOT_A_TENSOR
-from .stats import StatBuffer, StatRef, abs_min_max, has_inf, lookup, skip_reason
+from .stats import StatBuffer, StatRef, abs_min_max, has_inf, local_part, lookup, skip_reason
 
 FWD, BWD, MARK = "fwd", "bwd", "mark"
 
@@ -33,6 +33,7 @@ class ModuleInfo:
     cls: str
     module: weakref.ref
     is_root: bool = False
+    boundary: bool = False  # the edge of a compiled region: measured eagerly around code the hooks cannot see
 
 
 @dataclass(slots=True)
@@ -45,6 +46,8 @@ class Slot:
     kind: str | None = None
     dtype: torch.dtype | None = None
     inf_ref: StatRef | None = None  # compat mode: "also holds an inf" (abs max alone says only nan)
+    scope: str | None = None  # what the statistics cover when not the whole tensor ("local shard")
+    param: bool = False  # a direct parameter measured while the module ran (ZeRO-3 gathers it only then)
 
 
 @dataclass(slots=True, eq=False)
@@ -74,6 +77,7 @@ class Line:
     param: bool = False  # a direct parameter of the module (its value, not its gradient)
     ref: StatRef | None = None  # identity of the measured tensor within its step
     has_inf: bool | None = None  # known only in compat mode and for tensors measured at report time
+    scope: str | None = None  # "local shard": the statistics cover this rank's part of the tensor
 
     @property
     def finite(self) -> bool:
@@ -89,6 +93,7 @@ class ResolvedFrame:
     lines: list[Line] = field(default_factory=list)
     first_of_step: bool = False
     source_ref: StatRef | None = None
+    boundary: bool = False  # a compiled region's edge (what is inside was not recorded)
 
     @property
     def finite(self) -> bool:
@@ -110,6 +115,7 @@ class ResolvedFrame:
                     "abs_max": _json_float(line.abs_max),
                     "kind": line.kind,
                     "dtype": str(line.dtype).removeprefix("torch.") if line.dtype is not None else None,
+                    **({"scope": line.scope} if line.scope else {}),
                 }
                 for line in self.lines
             ],
@@ -122,13 +128,14 @@ def _json_float(v: float | None) -> float | str | None:
     return str(v)  # "inf", "-inf", "nan": JSON has no literals for them
 
 
-def measure(buffer: StatBuffer, label: str, value: Any, judged: bool = True) -> Slot:
+def measure(buffer: StatBuffer, label: str, value: Any, judged: bool = True, param: bool = False) -> Slot:
     """Describe ``value`` as a slot, putting its statistics in ``buffer`` when it is a tensor."""
     if isinstance(value, torch.Tensor):
+        value, scope = local_part(value)
         reason = skip_reason(value)
         if reason is not None:
-            return Slot(label, kind=reason, dtype=value.dtype)
-        return Slot(label, ref=buffer.add(value, judged), dtype=value.dtype)
+            return Slot(label, kind=reason, dtype=value.dtype, scope=scope, param=param)
+        return Slot(label, ref=buffer.add(value, judged), dtype=value.dtype, scope=scope, param=param)
     if value is None:
         return Slot(label, kind="None")
     return Slot(label, kind=NOT_A_TENSOR)
@@ -138,14 +145,15 @@ def measure_now(label: str, t: torch.Tensor | None, param: bool = False) -> Line
     """Host-side statistics of a tensor that still exists (parameters, gradients): report path only."""
     if t is None:
         return Line(label, kind="None")
+    t, scope = local_part(t)
     if t.layout is torch.sparse_coo:  # sparse gradients (nn.Embedding(sparse=True)): their values
         t = t.coalesce().values()
     reason = skip_reason(t)
     if reason is not None:
-        return Line(label, kind=reason, dtype=t.dtype, param=param)
+        return Line(label, kind=reason, dtype=t.dtype, param=param, scope=scope)
     mn, mx = abs_min_max(t)
     values = torch.stack([mn.double(), mx.double(), has_inf(t).double()]).cpu().tolist()
-    return Line(label, values[0], values[1], dtype=t.dtype, param=param, has_inf=bool(values[2]))
+    return Line(label, values[0], values[1], dtype=t.dtype, param=param, has_inf=bool(values[2]), scope=scope)
 
 
 def resolve(frames: list[Frame], values: dict) -> list[ResolvedFrame]:
@@ -153,7 +161,8 @@ def resolve(frames: list[Frame], values: dict) -> list[ResolvedFrame]:
     out: list[ResolvedFrame] = []
     for f in frames:
         rf = ResolvedFrame(
-            f.step, f.phase, f.info.name, f.info.cls, first_of_step=f.first_of_step, source_ref=f.source_ref
+            f.step, f.phase, f.info.name, f.info.cls, first_of_step=f.first_of_step, source_ref=f.source_ref,
+            boundary=f.info.boundary,
         )
         module = f.info.module()
         if f.with_params and module is not None:
@@ -163,9 +172,10 @@ def resolve(frames: list[Frame], values: dict) -> list[ResolvedFrame]:
             if s.ref is not None:
                 mn, mx = lookup(values, s.ref)
                 has_inf = bool(lookup(values, s.inf_ref)[0]) if s.inf_ref is not None else None
-                rf.lines.append(Line(s.label, mn, mx, dtype=s.dtype, ref=s.ref, has_inf=has_inf))
+                rf.lines.append(Line(s.label, mn, mx, dtype=s.dtype, param=s.param, ref=s.ref, has_inf=has_inf,
+                                     scope=s.scope))
             else:
-                rf.lines.append(Line(s.label, kind=s.kind, dtype=s.dtype))
+                rf.lines.append(Line(s.label, kind=s.kind, dtype=s.dtype, param=s.param, scope=s.scope))
         if f.with_param_grads and module is not None:
             for pname, p in module.named_parameters(recurse=False):
                 if p.requires_grad:

@@ -13,11 +13,15 @@ Example usage::
 
 How it stays cheap: every module's forward hook reduces its inputs and outputs to (abs min, abs max)
 on their own device (:mod:`.stats`) and keeps only a host-side description of the call
-(:mod:`.frames`). A tensor that was just measured as one module's output and comes in as the next
-module's input is measured once. Parameters and their gradients do not change before
-``optimizer.step()``, so they are measured only when a report is built; the parameter gradients are
-checked once per step with one ``aminmax`` each (no temporary). At the step boundary everything is
-folded into a single on-device flag read with one ``.item()``.
+(:mod:`.frames`, recorded by :mod:`.recording`). A tensor that was just measured as one module's output
+and comes in as the next module's input is measured once. Parameters and their gradients do not change
+before ``optimizer.step()``, so they are measured only when a report is built; the parameter gradients
+are checked once per step. At the step boundary everything is folded into a single on-device flag
+read with one ``.item()``.
+
+The machinery around the model is met through an *engine adapter* (:mod:`.engines`): DDP, FSDP1/FSDP2,
+accelerate and the HF Trainer, a DeepSpeed engine at any ZeRO stage. Compiled regions
+(``torch.compile``) are watched at their edges and looked into only when they go bad (:mod:`.compiled`).
 
 Module *inputs* are shown as context but do not by themselves stop a run (an additive ``-inf``
 attention mask is a legitimate input); outputs, gradients, weights and marks do. After a
@@ -43,46 +47,36 @@ import math
 import operator
 import os
 import sys
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, TextIO
 
 import torch
 from torch import nn
 
+from ..advice import FP16_COLLAPSE_TORCH
+from .compiled import Region, Regions, rerun
+from .engines import MonitorWarning, select_engine
 from .errors import AbortAfterStep, NonFiniteError
-from .frames import BWD, FWD, MARK, Frame, ModuleInfo, ResolvedFrame, Slot, measure, measure_now, resolve
+from .frames import BWD, FWD, ModuleInfo, ResolvedFrame, measure_now, resolve
 from .options import check_options
+from .recording import Recording, _graph_task, _is_compiling
 from .report import FirstNonFinite, NonFiniteReport, build_report, find_first_bad
-from .slots import input_slots, output_slots
-from .stats import StatBuffer, all_finite, finite_flags_of, fused_check_works, has_inf
+from .scalers import LossScaler, OverflowEvent
+from .slots import output_slots
+from .stats import all_finite, finite_flags_of, fused_check_works
+from .step import StepRecord
 from .trace import TraceWriter
-from .wrappers import unwrap_model
+from .verdict import NO_BAD, first_bad_code, origin_ranks, share_verdict
 
 log = logging.getLogger("torchdoctor.numerics")
 
+__all__ = ["NumericsMonitor", "OverflowEvent"]
+
 # Every monitored module, whichever monitor watches it: attaching twice would double every hook.
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, NumericsMonitor] = weakref.WeakKeyDictionary()
-
-
-@dataclass
-class OverflowEvent:
-    """A step whose gradients overflowed and that a loss scaler skipped (the scaler's normal signal)."""
-
-    step: int
-    scale: float | None
-    module: str | None
-    slot: str | None
-
-
-@dataclass
-class _Step:
-    """What one step recorded: host-side frames plus their on-device statistics."""
-
-    frames: list[Frame]
-    buffer: StatBuffer
 
 
 def _dist_rank_world() -> tuple[int | None, int]:
@@ -91,21 +85,25 @@ def _dist_rank_world() -> tuple[int | None, int]:
     return None, 1
 
 
-class NumericsMonitor:
+class NumericsMonitor(Recording):
     """Watch a model for inf/nan in weights, activations and gradients; explain the first one.
 
     Args:
-        model (nn.Module): the model (DDP / DataParallel wrappers are looked through).
-        optimizer (torch.optim.Optimizer, optional): checked in a step pre-hook, so a step with a
-            non-finite value raises before any parameter or optimizer state changes. Without it the
-            gradients are checked when each backward ends, but the update cannot be stopped.
-        grads (str): ``"params"`` (default) checks every parameter gradient once per step (one
-            ``aminmax`` each, on device); ``"modules"`` also measures the gradient at every module
-            output, which names the module where a backward blow-up starts; ``"none"`` watches the
-            forward only.
-        scaler (optional): a loss scaler (``torch.amp.GradScaler`` or anything with ``get_scale()``
-            and ``update()``). Its overflows are recorded in :attr:`overflows`, not raised, unless the
-            scale falls below ``min_loss_scale`` or ``max_consecutive_overflows`` steps overflow in a row.
+        model (nn.Module): the model, or what wraps it: DDP / DataParallel / FSDP / ``torch.compile`` /
+            accelerate's prepared model / the engine ``deepspeed.initialize`` returns (whose optimizer
+            is then found and hooked too).
+        optimizer (optional): checked before it steps, so a step with a non-finite value raises before
+            any parameter or optimizer state changes: a torch optimizer (also inside accelerate's or
+            Lightning's wrapper), DeepSpeed's ZeRO / fp16 / bf16 optimizer, or anything with ``step()``.
+            Without it the gradients are checked when each backward ends, but the update cannot be stopped.
+        grads (str): ``"params"`` (default) checks every parameter gradient once per step (on device);
+            ``"modules"`` also measures the gradient at every module output, which names the module
+            where a backward blow-up starts; ``"none"`` watches the forward only.
+        scaler (optional): a loss scaler (``torch.amp.GradScaler``, DeepSpeed's ``DynamicLossScaler``,
+            or anything with ``get_scale()`` and ``update()``). Its overflows are recorded in
+            :attr:`overflows`, not raised, unless the scale falls below ``min_loss_scale`` (or reaches
+            DeepSpeed's own floor) or ``max_consecutive_overflows`` steps overflow in a row. A DeepSpeed
+            engine's own loss scaler is found without being passed.
         max_frames (int): frames shown before the first bad one. Defaults to 21.
         trace_steps (Iterable[int], optional): steps whose every frame is printed and written to
             ``torchdoctor-trace-rank<r>.jsonl``.
@@ -123,7 +121,7 @@ class NumericsMonitor:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: Any = None,
         *,
         grads: str = "params",
         scaler: Any = None,
@@ -146,22 +144,16 @@ class NumericsMonitor:
             report_dir=report_dir, min_loss_scale=min_loss_scale,
             max_consecutive_overflows=max_consecutive_overflows, stream=stream,
         )
-        # accelerate's AcceleratedOptimizer wraps the torch optimizer without initialising its hooks
-        while not hasattr(optimizer, "_optimizer_step_pre_hooks") and isinstance(
-            getattr(optimizer, "optimizer", None), torch.optim.Optimizer
-        ):
-            optimizer = optimizer.optimizer
-        if optimizer is not None and not hasattr(optimizer, "register_step_pre_hook"):
-            raise TypeError(
-                f"optimizer={type(optimizer).__name__} has no register_step_pre_hook(); pass a "
-                "torch.optim.Optimizer, or leave optimizer out and call mon.step() once per step"
-            )
-        if scaler is not None and not callable(getattr(scaler, "update", None)):
-            raise TypeError(f"scaler={type(scaler).__name__} has no update() method")
-        self.model = unwrap_model(model)
-        self.optimizer = optimizer
+        if scaler is not None:
+            LossScaler(scaler)  # refuses what is not a loss scaler, before anything is attached
+        self._engine = select_engine(model, optimizer, scaler)
+        for text in self._engine.warnings:
+            warnings.warn("torchdoctor: " + text, MonitorWarning, stacklevel=2)
+        self.model = self._engine.root
+        self.optimizer = self._engine.optimizer
+        self._scaler = self._engine.scaler
+        self.scaler = self._scaler.obj if self._scaler is not None else None
         self.grads = grads
-        self.scaler = scaler
         self.max_frames = operator.index(max_frames)
         self.trace_steps = traced
         self.abort_after_step = None if abort_after_step is None else operator.index(abort_after_step)
@@ -183,17 +175,20 @@ class NumericsMonitor:
         self._manual = manual_steps
         self._optimizer_stepped = False
         self._tracer = TraceWriter(self.report_dir, self.rank, stream)
-        self._stash: tuple[list[Frame], StatBuffer, dict] | None = None
+        self._stash: StepRecord | None = None  # the training step, while an evaluation forward records
         self._deferred_report: NonFiniteReport | None = None  # DDP: an evaluation pass went bad
         self._root_depth = 0  # root forwards in flight
         self._root_done = False  # the root's own hook ran (so the always-called hook knows it did not fail)
         self._forward_pending = False  # forward-bounded steps: a training forward awaits its backward
-        self._forward_start = 0  # index in _frames where the current root forward began
+        self._forward_start = 0  # index in the step's frames where the current root forward began
         self._grad_hooks_on = False
-        self._history: deque[_Step] = deque()
+        self._rerunning = False  # an eager re-run of a compiled region is recording
+        self._region_stack: list[tuple[Region, Any]] = []
+        self._history: deque[StepRecord] = deque()
         self._handles: list[Any] = []
         self._restore: list[tuple[Any, str, Any, Any]] = []
         self._active = False
+        self._regions = Regions(self, model, self.model)
         self._new_step()
         try:
             self._attach()
@@ -203,7 +198,8 @@ class NumericsMonitor:
 
     # ------------------------------------------------------------------ lifecycle
     def _attach(self) -> None:
-        modules = list(self.model.named_modules())
+        engine = self._engine
+        modules = list(engine.modules())
         taken = [name or "<root>" for name, m in modules if m in _WATCHED]
         if taken:
             raise RuntimeError(
@@ -211,41 +207,49 @@ class NumericsMonitor:
                 f"(e.g. {', '.join(taken[:3])}); close() it first -- hooks are never doubled"
             )
         self._infos: dict[int, ModuleInfo] = {}
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._params = engine.trainable()
         for device in {p.device for p in self._params if p.device.type not in ("cpu", "meta")}:
             fused_check_works(device)  # its one host sync here, at attach time, never inside a step
+        root_region = self._regions.root
         for name, module in modules:
-            info = ModuleInfo(name, type(module).__name__, weakref.ref(module), is_root=module is self.model)
+            is_root = module is self.model and root_region is None
+            info = ModuleInfo(name, engine.class_name(module), weakref.ref(module), is_root=is_root)
             self._infos[id(module)] = info
             _WATCHED[module] = self
-            self._handles.append(
-                module.register_forward_hook(functools.partial(self._on_forward, info), with_kwargs=True)
+            self.add_handle(module.register_forward_hook(
+                functools.partial(self._on_forward, info), with_kwargs=True, prepend=engine.prepend_hooks
+            ))
+        if root_region is None:
+            self.add_handle(self.model.register_forward_pre_hook(self._on_root_pre_forward))
+            # runs after the root's own hook, and also when the forward raises (then only this one runs)
+            self.add_handle(
+                self.model.register_forward_hook(self._on_root_forward_always, with_kwargs=True, always_call=True)
             )
-        self._handles.append(self.model.register_forward_pre_hook(self._on_root_pre_forward))
-        # runs after the root's own hook, and also when the forward raises (then only this one runs)
-        self._handles.append(
-            self.model.register_forward_hook(self._on_root_forward_always, with_kwargs=True, always_call=True)
-        )
-        if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(self._on_optimizer_pre_step))
-            self._handles.append(self.optimizer.register_step_post_hook(self._on_optimizer_post_step))
-            if self.scaler is None:
-                self._wrap(self.optimizer, "zero_grad", self._on_zero_grad)
-        if self.scaler is not None:
-            self._wrap(self.scaler, "update", self._on_scaler_update)
+        self._regions.install(self)
+        engine.install(self)
         self._active = True
         if not self._optimizer_hooked() and not self._hf:
             self._hook_param_grads()
+        engine.attach_grad_watch(self)
         if not self._hf:  # transformers reports broken weights in the first forward's frames instead
             self._check_weights_once()
 
-    def _wrap(self, obj: Any, attr: str, before: Any) -> None:
-        """Shadow ``obj.attr`` with an instance attribute that calls ``before()`` first; undone by close()."""
+    def add_handle(self, handle: Any) -> None:
+        """Keep a hook handle; close() removes it."""
+        self._handles.append(handle)
+
+    def wrap(self, obj: Any, attr: str, before: Any, after: Any = None) -> None:
+        """Shadow ``obj.attr`` with an instance attribute that calls ``before(*args, **kwargs)`` first
+        (and ``after`` once it returned); undone by close(). Both are no-ops once this monitor is closed."""
         original = getattr(obj, attr)
-        @functools.wraps(original)
+
+        @functools.wraps(original)  # keeps what wrappers set on it (LR schedulers' _wrapped_by_lr_sched)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            before()  # a no-op once this monitor is closed
-            return original(*args, **kwargs)
+            before(*args, **kwargs)
+            out = original(*args, **kwargs)
+            if after is not None:
+                after(*args, **kwargs)
+            return out
 
         previous = obj.__dict__.get(attr)
         wrapper._torchdoctor_previous = previous  # type: ignore[attr-defined]
@@ -272,6 +276,8 @@ class NumericsMonitor:
             else:
                 setattr(obj, attr, old)
         self._restore = []
+        self._regions.close()
+        self._engine.close()
         self._release_modules()
         self._tracer.close()
 
@@ -282,7 +288,7 @@ class NumericsMonitor:
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         try:
-            open_step = self._frames or self._backward_ran or self._deferred_report is not None
+            open_step = not self._rec.empty or self._deferred_report is not None
             if exc_type is None and self._active and (open_step or self._sync_ranks):
                 self._close_step("final")
         finally:
@@ -292,262 +298,57 @@ class NumericsMonitor:
         if getattr(self, "_active", False):
             self.close()
 
-    # ------------------------------------------------------------------ recording
     def _new_step(self) -> None:
-        self._frames: list[Frame] = []
-        self._buffer = StatBuffer()
-        self._seen: dict[int, tuple[weakref.ref, int, Slot]] = {}
-        self._grad_targets: dict[int, tuple[weakref.ref, list]] = {}
-        self._backward_ran = False
-        self._backward_grad_flags: list[torch.Tensor] = []  # gradients as they were when a backward ended
-        self._backward_grads: list[tuple[torch.Tensor, weakref.ref]] = []  # ... and which tensors they were
-        self._queued_task: int | None = None
-
-    def _slot(self, label: str, value: Any, judged: bool = True) -> Slot:
-        """Measure ``value`` once: an output passed on as the next module's input is not measured again."""
-        if isinstance(value, torch.Tensor) and not value.is_inference():  # no version counter there
-            key = id(value)
-            seen = self._seen.get(key)
-            if seen is not None and seen[0]() is value and seen[1] == value._version:
-                s = seen[2]
-                if s.ref is None or s.ref.judged or not judged:
-                    return Slot(label, s.ref, s.kind, s.dtype, s.inf_ref)
-            slot = self._measure(label, value, judged)
-            self._seen[key] = (weakref.ref(value), value._version, slot)
-            return slot
-        return self._measure(label, value, judged)
-
-    def _measure(self, label: str, value: Any, judged: bool) -> Slot:
-        slot = measure(self._buffer, label, value, judged)
-        if self._hf and slot.ref is not None and (value.dtype.is_floating_point or value.dtype.is_complex):
-            # transformers prints "has infs" next to "has nans" for a tensor holding both; abs max
-            # cannot tell, so compat mode pays one more reduction per tensor to know
-            slot.inf_ref = self._buffer.add_flag(has_inf(value))
-        return slot
+        self._rec = StepRecord()
+        self._engine.new_step()
 
     def _steps_end_at_forward(self) -> bool:
         return self.optimizer is None and not self._manual and self.scaler is None
 
-    def _on_root_pre_forward(self, module: nn.Module, args: Any) -> None:
-        if not self._active or torch._C._current_graph_task_id() != -1:
-            return
-        if self._root_depth and not self._inside_root_forward():
-            self._root_depth = 0  # a KeyboardInterrupt skipped the always-called hook: not really nested
-            self._root_done = False
-        self._root_depth += 1
-        if self._root_depth > 1:  # a nested call of the root from inside its own forward
-            return
-        if self._forward_pending and self._steps_end_at_forward():
-            self._forward_pending = False
-            self._close_step("forward")  # the previous forward and the backward that followed it
-        if self._stash is not None and torch.is_grad_enabled():  # an evaluation forward raised midway
-            self._frames, self._buffer, self._seen = self._stash
-            self._stash = None
-        if not torch.is_grad_enabled() and not self._steps_end_at_forward() and self._stash is None:
-            # an evaluation / generation forward between training steps: checked on its own at its end,
-            # so that a long evaluation loop does not pile its frames onto the training step
-            self._stash = (self._frames, self._buffer, self._seen)
-            self._frames, self._buffer, self._seen = [], StatBuffer(), {}
-            return
-        # A backward ran, yet every gradient is None again: the optimizer step was skipped (a loss
-        # scaler saw an overflow) and zero_grad() ran. Close that step now.
-        skipped_possible = self._backward_ran and not self._manual and self.optimizer is not None
-        if skipped_possible and self.scaler is None and all(p.grad is None for p in self._params):
-            self._close_step("skipped")
-        self._forward_start = len(self._frames)
+    def _optimizer_hooked(self) -> bool:
+        """Is the step checked before the update (in front of the optimizer's step)?"""
+        return self.optimizer is not None and not self._manual
 
-    def _on_forward(self, info: ModuleInfo, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    # ------------------------------------------------------------------ compiled regions' edges
+    def _region_enter(self, region: Region, module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
+        if _is_compiling() or not self._active or _graph_task() != -1:
+            return
+        if region.is_root:
+            self._on_root_pre_forward(module, args)
+        self._region_stack.append((region, self._regions.remember(region, args, kwargs or {})))
+
+    def _region_exit(self, region: Region, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if _is_compiling() or _graph_task() != -1:
+            return
+        call = self._region_stack.pop()[1] if self._region_stack and self._region_stack[-1][0] is region else None
         if not self._active:
             return
-        if torch._C._current_graph_task_id() != -1:
-            # activation recomputation (gradient checkpointing) inside the backward: not a new frame
-            if self.grads == "modules" and torch.is_grad_enabled():
-                self._hook_grads(info, output)  # reentrant checkpointing builds its graph only here
-            return
-        if not self._root_depth and not info.is_root and not torch.is_grad_enabled() and not self._hf:
-            return  # a submodule called on its own under no_grad (e.g. generate() running the encoder)
-        slot = self._slot
-        judge_inputs = self._hf  # transformers stops on a non-finite input; we show inputs as context
-        slots = [slot(label, v, judge_inputs) for label, v in input_slots(args, kwargs, self._hf)]
-        slots += [slot(label, v) for label, v in output_slots(output, self._hf)]
-        self._frames.append(
-            Frame(self.step_index, FWD, info, slots, with_params=True, first_of_step=not self._frames)
-        )
-        if torch.is_grad_enabled():
-            if self.grads == "modules":
-                self._hook_grads(info, output)
-            elif info.is_root:
-                self._hook_backward_seen(output)
-        if info.is_root and self._root_depth <= 1:
+        rec = self._rec
+        ran_eagerly = bool(rec.frames) and rec.frames[-1].info.module() is region.inner  # its own hooks ran
+        recordable = self._root_depth or region.is_root or torch.is_grad_enabled() or self._rerunning
+        if not ran_eagerly and recordable:
+            self._record_call(region.info, region.inner, args, kwargs, output)
+            if call is not None:
+                call.frame = rec.frames[-1]
+                rec.region_calls.append(call)
+                if self.grads == "modules" and torch.is_grad_enabled():
+                    for label, v in output_slots(output):
+                        if isinstance(v, torch.Tensor) and v.requires_grad:
+                            v.register_hook(functools.partial(_keep_grad, call, label))
+        if region.is_root and self._root_depth <= 1 and not self._rerunning:
             self._root_done = True
             self._on_root_forward_end()
 
-    def _on_root_forward_end(self) -> None:
-        if self._stash is not None:
-            self._close_inference_pass()
-        elif self._steps_end_at_forward():
-            if self._hf or not torch.is_grad_enabled():
-                self._close_step("forward")
-            else:  # a backward may follow: close at the next forward, step() or leaving the with block
-                self._forward_pending = True
-
-    def _inside_root_forward(self) -> bool:
-        """Is an *outer* call of the root module on the Python stack? Asked only when the depth counter
-        says so; the pre-forward hook itself runs inside the current call's ``_call_impl``."""
-        calls = 0
-        frame = sys._getframe(1)
-        while frame is not None:
-            if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is self.model:
-                calls += 1
-                if calls > 1:
-                    return True
-            frame = frame.f_back
-        return False
-
-    def _on_root_forward_always(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if torch._C._current_graph_task_id() != -1:
+    def _region_always(self, region: Region, module: nn.Module, *_: Any) -> None:
+        if _is_compiling() or _graph_task() != -1:
             return
-        self._root_depth = max(0, self._root_depth - 1)
-        if self._root_done or self._root_depth or not self._active:
-            self._root_done = False
-            return
-        self._on_root_forward_failed()
+        if self._region_stack and self._region_stack[-1][0] is region:
+            self._region_stack.pop()  # the forward raised: its exit never ran
+        if region.is_root:
+            self._on_root_forward_always(module, None, None, None)
 
-    def _on_root_forward_failed(self) -> None:
-        """The root forward raised. If a non-finite value came first, say so; else forget its frames.
-
-        torch silences exceptions raised here (the forward's own exception is re-raised), so the
-        report is written to disk, logged, and attached to that exception as a note.
-        """
-        flag = all_finite(self._buffer.finite_flags())
-        if flag is not None and not bool(flag.item()):
-            frames, start = self._frames_with_context()
-            report = build_report(frames, self.max_frames, self.rank, start, self._hf)
-            if report is not None:
-                self._on_failed_forward_report(report)
-                return
-        del self._frames[self._forward_start :]
-        if self._stash is not None:
-            self._frames, self._buffer, self._seen = self._stash
-            self._stash = None
-
-    def _on_failed_forward_report(self, report: NonFiniteReport) -> None:
-        report.notes.append("The forward then raised an exception of its own (see the traceback).")
-        self._finish(report)
-        log.error("non-finite value before the forward raised:\n%s", report.text())
-        exc = sys.exc_info()[1]
-        if exc is not None and hasattr(exc, "add_note"):
-            exc.add_note("torchdoctor: " + report.text())
-
-    def _close_inference_pass(self) -> None:
-        """Check a no-grad forward made between training steps (one host read), then resume the step."""
-        flag = all_finite(self._buffer.finite_flags())
-        frames, buffer = self._frames, self._buffer
-        self._frames, self._buffer, self._seen = self._stash
-        self._stash = None
-        if flag is not None and not bool(flag.item()):
-            report = build_report(self._resolved([_Step(frames, buffer)]), self.max_frames, self.rank, 0, self._hf)
-            assert report is not None
-            report.notes.append("This was a forward under torch.no_grad() (evaluation or generation).")
-            if self._sync_ranks:
-                # other ranks may be in a collective already: say it at the next shared verdict, together
-                self._deferred_report = self._deferred_report or report
-                return
-            self._raise(report)
-
-    def _hook_backward_seen(self, output: Any) -> None:
-        """One cheap hook on the root output that notes that a backward ran (for skipped steps)."""
-        for _, v in output_slots(output):
-            if isinstance(v, torch.Tensor) and v.requires_grad:
-                v.register_hook(self._on_backward_seen)
-                return
-
-    def _on_backward_seen(self, grad: torch.Tensor) -> None:
-        self._backward_ran = True
-
-    def _optimizer_hooked(self) -> bool:
-        """Is the step checked in the optimizer's pre-hook, i.e. before the update?"""
-        return self.optimizer is not None and not self._manual
-
-    def _hook_param_grads(self) -> None:
-        """Without a hooked optimizer, check the parameter gradients when each backward ends (on
-        device, read with the step's flag): zero_grad() or the update may come before the step ends.
-        A post-accumulate hook per parameter notices any backward that writes a gradient, whatever
-        output the loss was computed from."""
-        if self._grad_hooks_on or self.grads == "none":
-            return
-        self._grad_hooks_on = True
-        for p in self._params:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._on_param_grad))
-
-    def _on_param_grad(self, param: torch.Tensor) -> None:
-        if not self._active or self._optimizer_hooked():
-            return
-        self._backward_ran = True
-        task = torch._C._current_graph_task_id()
-        if task != self._queued_task:  # once per backward (a backward that raised never ran its callback)
-            self._queued_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
-
-    def _after_backward(self) -> None:
-        self._queued_task = None
-        if self._active:
-            with_grad = [p for p in self._params if p.grad is not None]
-            self._backward_grad_flags.extend(finite_flags_of([p.grad for p in with_grad]))
-            self._backward_grads.extend((p, weakref.ref(p.grad)) for p in with_grad)
-
-    def _stored_grad_flags(self) -> list[torch.Tensor]:
-        """Flags taken when backwards ended, unless those very gradients are still there (then the
-        check at the step's end sees them as they are now, repaired or accumulated further)."""
-        if all(p.grad is not None and p.grad is ref() for p, ref in self._backward_grads):
-            return []
-        return self._backward_grad_flags
-
-    def _hook_grads(self, info: ModuleInfo, output: Any) -> None:
-        for label, v in output_slots(output):
-            if not (isinstance(v, torch.Tensor) and v.requires_grad):
-                continue
-            key = id(v)
-            seen = self._seen.get(key)
-            source = seen[2].ref if seen is not None and seen[0]() is v else None
-            entry = self._grad_targets.get(key)
-            if entry is not None and entry[0]() is v:
-                entry[1].append((info, "grad_" + label, source))
-                continue
-            targets = [(info, "grad_" + label, source)]
-            self._grad_targets[key] = (weakref.ref(v), targets)
-            v.register_hook(functools.partial(self._on_grad, targets))
-
-    def _on_grad(self, targets: list, grad: torch.Tensor) -> None:
-        if not self._active:
-            return
-        self._backward_ran = True
-        measured = measure(self._buffer, targets[0][1], grad)
-        seen_modules = set()
-        for info, label, source in targets:
-            first_for_module = id(info) not in seen_modules
-            seen_modules.add(id(info))
-            self._frames.append(
-                Frame(
-                    self.step_index,
-                    BWD,
-                    info,
-                    [Slot(label, measured.ref, measured.kind, measured.dtype)],
-                    with_param_grads=first_for_module,
-                    source_ref=source,
-                )
-            )
-
-    def mark(self, tensor: torch.Tensor, ctx: str) -> None:
-        """Add a frame for an intermediate value, in execution order, without a host sync."""
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"mark() needs a tensor, got {type(tensor).__name__}")
-        if not self._active or torch._C._current_graph_task_id() != -1:  # not again in recomputation
-            return
-        info = ModuleInfo(ctx, "mark", weakref.ref(self.model))
-        self._frames.append(
-            Frame(self.step_index, MARK, info, [self._slot("value", tensor)], first_of_step=not self._frames)
-        )
+    def _region_failed(self, region: Region) -> None:
+        self._region_always(region, region.outer)
 
     # ------------------------------------------------------------------ step boundaries
     def step(self) -> None:
@@ -557,17 +358,26 @@ class NumericsMonitor:
         self._forward_pending = False
         self._close_step("manual")
 
-    def _on_optimizer_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def on_pre_step(self, *_: Any, **__: Any) -> None:
+        """The optimizer is about to apply the step: check it first."""
         if self._active and not self._manual:
             self._close_step("optimizer", abort_check=False)
             self._optimizer_stepped = True  # scaler.update() of this step has nothing left to check
 
-    def _on_optimizer_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def on_post_step(self, *_: Any, **__: Any) -> None:
         if self._active and not self._manual:
             self._check_abort_after(self.step_index - 1)
 
-    def _on_scaler_update(self) -> None:
+    def on_scaler_update(self, *args: Any, **kwargs: Any) -> None:
+        """torch's ``scaler.update()`` (after the step or its skip), DeepSpeed's ``update_scale(overflow)``
+        (before either)."""
         if not self._active:
+            return
+        if self._scaler is not None and self._scaler.deepspeed:
+            overflow = args[0] if args else kwargs.get("overflow", False)
+            if not overflow and self.optimizer is not None:
+                return  # the optimizer steps next: its pre-hook checks this step
+            self._close_step("skipped" if overflow and self.optimizer is not None else "scaler")
             return
         if self._optimizer_stepped:  # the optimizer pre-hook already checked this step
             self._optimizer_stepped = False
@@ -575,28 +385,26 @@ class NumericsMonitor:
         # with an optimizer, reaching here means the scaler skipped its step; without one, it is the boundary
         self._close_step("skipped" if self.optimizer is not None else "scaler")
 
-    def _on_zero_grad(self) -> None:
+    def on_zero_grad(self, *_: Any, **__: Any) -> None:
         """zero_grad() after a backward but no optimizer step: the step was skipped (by a loss scaler
         that was not passed as ``scaler=``). Check it now, while its gradients still exist."""
-        if self._active and not self._manual and self._backward_ran:
+        if self._active and not self._manual and self._rec.backward_ran:
             self._close_step("skipped")
-
-    def _param_grad_flags(self) -> list[torch.Tensor]:
-        return finite_flags_of([p.grad for p in self._params if p.grad is not None])
 
     def _close_step(self, source: str, abort_check: bool = True) -> None:
         """Check the finished step with one host read; raise or record what went wrong."""
-        nothing = not self._frames and not self._backward_ran and self._deferred_report is None
+        rec = self._rec
+        nothing = rec.empty and self._deferred_report is None
         if nothing and source in ("forward", "skipped", "final") and not self._sync_ranks:
             return  # (under DDP every rank must take part in the verdict, so no shortcut there)
-        act_ok = all_finite(self._buffer.finite_flags())  # activations (and module-level gradients)
+        act_ok = rec.activation_flag()  # activations, module-level and engine-collected gradients
         if self._deferred_report is not None:
             act_ok = torch.zeros((), dtype=torch.bool)
-        check_grads = self.grads != "none" and (source != "forward" or self._backward_ran)
-        grad_ok = all_finite((self._param_grad_flags() if check_grads else []) + self._stored_grad_flags())
-        others: list[int] = []
+        check_grads = self.grads != "none" and (source != "forward" or rec.backward_ran)
+        grad_flags = self._engine.grad_flags(self._params) if check_grads else []
+        grad_ok = all_finite(grad_flags + rec.stored_grad_flags())
         if self._sync_ranks:
-            ok, others = self._share_verdict(act_ok, grad_ok)
+            ok, _ = share_verdict(act_ok, grad_ok)
         else:
             both = all_finite([f for f in (act_ok, grad_ok) if f is not None])
             ok = True if both is None else bool(both.item())  # THE host sync of this step
@@ -606,34 +414,17 @@ class NumericsMonitor:
         if ok:
             self._consecutive_overflows = 0
         else:
-            self._handle_nonfinite(step, source, others, check_grads)
+            self._handle_nonfinite(step, source, check_grads)
         self._rotate()
         if abort_check and source != "skipped":
             self._check_abort_after(step)
 
-    def _share_verdict(self, act_ok: torch.Tensor | None, grad_ok: torch.Tensor | None) -> tuple[bool, list[int]]:
-        """One small all-reduce: which ranks saw non-finite activations, which non-finite gradients.
-
-        Returns (all finite everywhere, the *other* ranks whose activations were non-finite). Under DDP
-        a non-finite gradient on one rank reaches every rank through the gradient all-reduce; knowing
-        which rank's forward broke lets the others say so instead of blaming themselves.
-        """
-        dist = torch.distributed
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        bad = torch.zeros(self._world, 2, dtype=torch.int32, device=device)
-        me = dist.get_rank()
-        for col, flag in enumerate((act_ok, grad_ok)):
-            if flag is not None:
-                bad[me, col] = (~flag).to(device=device, dtype=torch.int32)
-        dist.all_reduce(bad)
-        rows = bad.cpu().tolist()  # the one host read of this step
-        any_bad = any(a or g for a, g in rows)
-        return not any_bad, [r for r, (a, _) in enumerate(rows) if a and r != me]
-
     def _rotate(self) -> None:
         """Keep recent steps (unread, on device) as context for a report, then start a new step."""
-        if self._frames:
-            self._history.append(_Step(self._frames, self._buffer))
+        rec = self._rec
+        rec.region_calls = []  # inputs kept for a re-run: not beyond their step
+        if rec.frames:
+            self._history.append(rec)
             kept = 0
             for i in range(len(self._history) - 1, -1, -1):
                 kept += len(self._history[i].frames)
@@ -655,21 +446,24 @@ class NumericsMonitor:
     def _frames_with_context(self) -> tuple[list[ResolvedFrame], int]:
         """Earlier (already checked) steps as context, then the current step; and where it starts."""
         context = self._resolved(list(self._history))
-        return context + self._resolved([_Step(self._frames, self._buffer)]), len(context)
+        return context + self._resolved([self._rec]), len(context)
 
-    def _resolved(self, steps: list[_Step]) -> list[ResolvedFrame]:
+    @staticmethod
+    def _resolved(records: list[StepRecord]) -> list[ResolvedFrame]:
         out: list[ResolvedFrame] = []
-        for s in steps:
-            out.extend(resolve(s.frames, s.buffer.read()))
+        for r in records:
+            out.extend(resolve(r.frames, r.buffer.read()))
         return out
 
     def _param_grad_frames(self, step: int) -> list[ResolvedFrame]:
         """Parameter gradients, module by module in backward order (reverse of the forward)."""
         order: dict[str, ModuleInfo] = {}
-        for f in self._frames:
-            if f.phase == FWD:
+        for f in self._rec.frames:
+            if f.phase == FWD and not f.info.boundary:
                 order.setdefault(f.info.name, f.info)
         infos = list(order.values())[::-1] or list(self._infos.values())[::-1]
+        if len(order) < len(self._infos):  # compiled regions hide their modules' frames: add the others
+            infos += [i for i in list(self._infos.values())[::-1] if i.name not in order]
         out = []
         for info in infos:
             module = info.module()
@@ -684,18 +478,79 @@ class NumericsMonitor:
                 out.append(ResolvedFrame(step, BWD, info.name, info.cls, lines))
         return out
 
-    def _handle_nonfinite(self, step: int, source: str, bad_ranks: list[int], check_grads: bool) -> None:
+    def _build_step_report(self, step: int, check_grads: bool) -> tuple[NonFiniteReport | None, int]:
+        """This rank's report of the current step, and the sortable code of where its first bad value is."""
         if self._deferred_report is not None:
-            self._deferred_report.bad_ranks = bad_ranks
-            self._raise(self._deferred_report)
+            return self._deferred_report, first_bad_code(0, 0)
         frames, start = self._frames_with_context()
         # weights are measured now: without a hooked optimizer they may have changed since the forward
         judge_params = self._optimizer_hooked() or self._hf
         if check_grads and find_first_bad(frames, start, self._hf, judge_params) is None:
             frames += self._param_grad_frames(step)
         report = build_report(frames, self.max_frames, self.rank, start, self._hf, judge_params)
-        unknown_gradient = report is None and not bad_ranks
+        if report is not None and report.boundary:
+            report = self._localize(report, frames, start, judge_params)
+        if report is None:
+            return None, NO_BAD
+        phase = 1 if report.first is not None and report.first.phase == BWD else 0
+        return report, first_bad_code(phase, report.position)
+
+    def _localize(self, report: NonFiniteReport, frames: list[ResolvedFrame], start: int,
+                  judge_params: bool) -> NonFiniteReport:
+        """The first bad value is at a compiled region's edge: re-run that call eagerly to look inside."""
+        position = report.position
+        frame = self._rec.frames[position] if 0 <= position < len(self._rec.frames) else None
+        backward = report.first is not None and report.first.phase == BWD
+        call = None
+        for c in self._rec.region_calls:
+            if frame is not None and (c.frame is frame or (backward and any(
+                s.ref == frame.source_ref for s in c.frame.slots if s.ref is not None
+            ))):
+                call = c
+                break
+        name = frame.info.name if frame is not None else "?"
+        shown = name or "the model"
+        if call is None or (backward and not call.output_grads):
+            report.notes.append(f"{shown} is compiled (torch.compile): the frames inside it are not recorded.")
+            return report
+        blocked = self._regions.rerun_blocked(call.region, self._world)
+        if blocked:
+            report.notes.append(f"{shown} is compiled (torch.compile); {blocked}.")
+            return report
+        saved, self._rec, self._rerunning = self._rec, StepRecord(), True
+        try:
+            rerun(self, call, backward)
+        except Exception as e:  # the re-run is a bonus: never let it hide the finding itself
+            log.warning("torchdoctor: the eager re-run of %s failed: %s", shown, e)
+            inner: list[ResolvedFrame] = []
+        else:
+            inner = self._resolved([self._rec])
+        finally:
+            self._rec, self._rerunning = saved, False
+        edge = start + position
+        again = build_report(frames[:edge] + inner, self.max_frames, self.rank, start, self._hf, judge_params)
+        if again is None or again.boundary and again.position == position:
+            report.notes.append(
+                f"{shown} is compiled (torch.compile). Its call was re-run eagerly on the same inputs (RNG state "
+                "restored) and stayed finite there: the compiled kernels round differently near the dtype's limit "
+                "(or drew other dropout masks). Run this step without torch.compile to see inside."
+            )
+            return report
+        again.notes.append(
+            f"{shown} is compiled (torch.compile): its output was {report.first.value} at the region's edge; the "
+            f"frames inside it come from an eager re-run of that call on the same inputs (RNG state restored)."
+        )
+        again.position = position  # ranks compare where the value went bad in the step they all ran
+        return again
+
+    def _handle_nonfinite(self, step: int, source: str, check_grads: bool) -> None:
+        report, code = self._build_step_report(step, check_grads)
+        origin = origin_ranks(code) if self._sync_ranks else []
+        me = self.rank
+        others = [r for r in origin if r != me]
+        unknown_gradient = report is None and not others
         if unknown_gradient:  # only the gradients seen when a backward ended were bad, and they are gone
+            frames, start = self._frames_with_context()
             report = NonFiniteReport(
                 step, None, frames[start:][-self.max_frames :],
                 "a parameter gradient was non-finite when the backward of this step ended, and the gradients "
@@ -707,16 +562,14 @@ class NumericsMonitor:
             )
         elif report is None:  # only another rank saw a non-finite value
             report = NonFiniteReport(step, None, [], "another rank found non-finite values", rank=self.rank)
-        report.bad_ranks = bad_ranks
-        if bad_ranks and report.first is not None and report.first.phase == BWD:
-            report.diagnosis = (
-                f"this rank's forward was finite; rank(s) {bad_ranks} produced non-finite activations in "
-                "this step and their gradients reached this rank through the gradient all-reduce. "
-                f"See the report of rank {bad_ranks[0]}."
-            )
-            report.fix = report.fp32_region = None
+        if me not in origin and others:
+            report.bad_ranks = others
+            self._blame_other_ranks(report, others)
+        if self._deferred_report is not None:
+            self._raise(report)
         only_backward = unknown_gradient or (report.first is not None and report.first.phase == BWD)
-        if only_backward and source in ("skipped", "scaler"):
+        skipping = source in ("skipped", "scaler") or (source == "optimizer" and self._engine.skips_overflow)
+        if only_backward and skipping:
             self._record_overflow(step, report)
             return
         if self.grads == "params" and only_backward:
@@ -725,10 +578,29 @@ class NumericsMonitor:
             )
         self._raise(report)
 
+    @staticmethod
+    def _blame_other_ranks(report: NonFiniteReport, others: list[int]) -> None:
+        """This rank's first non-finite value came later in the step than another rank's: it arrived
+        through a collective (DDP's / FSDP's gradient reduction, a tensor-parallel all-reduce)."""
+        first = report.first
+        if first is None:
+            return
+        if first.phase == BWD:
+            report.diagnosis = (
+                f"this rank's forward was finite; rank(s) {others} produced non-finite activations in "
+                "this step and their gradients reached this rank through the gradient all-reduce. "
+                f"See the report of rank {others[0]}."
+            )
+        else:
+            report.diagnosis = (
+                f"this rank's values were finite until {first.module} ({first.cls}) {first.slot}; rank(s) "
+                f"{others} went non-finite earlier in this step, and the value reached this rank through a "
+                f"collective inside the forward (tensor parallel). See the report of rank {others[0]}."
+            )
+        report.fix = report.fp32_region = None
+
     def _record_overflow(self, step: int, report: NonFiniteReport) -> None:
-        scale = None
-        if self.scaler is not None and callable(getattr(self.scaler, "get_scale", None)):
-            scale = float(self.scaler.get_scale())
+        scale = self._scaler.scale() if self._scaler is not None else None
         first = report.first
         event = OverflowEvent(step, scale, first.module if first else None, first.slot if first else None)
         self.overflows.append(event)
@@ -738,10 +610,13 @@ class NumericsMonitor:
         if self.grads == "params" and self.auto_localize:
             self.grads = "modules"
             log.info("switching to grads='modules' to localize the next gradient overflow")
-        collapsed = scale is not None and scale < self.min_loss_scale
+        collapsed = self._scaler is not None and self._scaler.collapsed(scale, self.min_loss_scale)
         if collapsed or self._consecutive_overflows >= self.max_consecutive_overflows:
+            floor = self._scaler.floor if self._scaler is not None else None
             why = (
-                f"the loss scale collapsed to {scale:g} (< {self.min_loss_scale:g})"
+                f"the loss scale collapsed to {scale:g} ("
+                + (f"DeepSpeed's minimum, min_loss_scale={floor:g}" if floor is not None and scale <= floor
+                   else f"< {self.min_loss_scale:g}") + ")"
                 if collapsed
                 else f"{self._consecutive_overflows} steps in a row overflowed"
             )
@@ -749,7 +624,8 @@ class NumericsMonitor:
                 f"{why}: the gradients overflow at every scale, so this is not a transient spike. "
                 + report.diagnosis
             )
-            report.fix = report.fix or "train in bf16, or keep the module named above in fp32"
+            fix = self._scaler.fix if self._scaler is not None else FP16_COLLAPSE_TORCH
+            report.fix = fix if report.fix is None else f"{fix}; or {report.fix}"
             self._raise(report)
 
     def _release_modules(self) -> None:
@@ -776,18 +652,68 @@ class NumericsMonitor:
         raise NonFiniteError(report)
 
     def _trace(self, step: int) -> None:
-        self._tracer.write_step(step, self._resolved([_Step(self._frames, self._buffer)]))
+        self._tracer.write_step(step, self._resolved([self._rec]))
+
+    # ------------------------------------------------------------------ forwards that end a pass
+    def _on_root_forward_end(self) -> None:
+        if self._stash is not None:
+            self._close_inference_pass()
+        elif self._steps_end_at_forward():
+            if self._hf or not torch.is_grad_enabled():
+                self._close_step("forward")
+            else:  # a backward may follow: close at the next forward, step() or leaving the with block
+                self._forward_pending = True
+
+    def _on_root_forward_failed(self) -> None:
+        """The root forward raised. If a non-finite value came first, say so; else forget its frames.
+
+        torch silences exceptions raised here (the forward's own exception is re-raised), so the
+        report is written to disk, logged, and attached to that exception as a note.
+        """
+        flag = self._rec.activation_flag()
+        if flag is not None and not bool(flag.item()):
+            frames, start = self._frames_with_context()
+            report = build_report(frames, self.max_frames, self.rank, start, self._hf)
+            if report is not None:
+                self._on_failed_forward_report(report)
+                return
+        del self._rec.frames[self._forward_start :]
+        if self._stash is not None:
+            self._rec, self._stash = self._stash, None
+
+    def _on_failed_forward_report(self, report: NonFiniteReport) -> None:
+        report.notes.append("The forward then raised an exception of its own (see the traceback).")
+        self._finish(report)
+        log.error("non-finite value before the forward raised:\n%s", report.text())
+        exc = sys.exc_info()[1]
+        if exc is not None and hasattr(exc, "add_note"):
+            exc.add_note("torchdoctor: " + report.text())
+
+    def _close_inference_pass(self) -> None:
+        """Check a no-grad forward made between training steps (one host read), then resume the step."""
+        flag = self._rec.activation_flag()
+        done, self._rec, self._stash = self._rec, self._stash, None
+        if flag is not None and not bool(flag.item()):
+            report = build_report(self._resolved([done]), self.max_frames, self.rank, 0, self._hf)
+            assert report is not None
+            report.notes.append("This was a forward under torch.no_grad() (evaluation or generation).")
+            if self._sync_ranks:
+                # other ranks may be in a collective already: say it at the next shared verdict, together
+                self._deferred_report = self._deferred_report or report
+                return
+            self._raise(report)
 
     def _check_weights_once(self) -> None:
         """At attach time: a weight that is already non-finite is named at once (one sync, once)."""
-        flag = all_finite(finite_flags_of(list(self.model.parameters())))
+        named = [(self._engine.clean(n), p) for n, p in self.model.named_parameters()]
+        flag = all_finite(finite_flags_of([p for _, p in named]))
         if flag is None or bool(flag.item()):
             return
-        for name, p in self.model.named_parameters():
+        for name, p in named:
             line = measure_now(name.rsplit(".", 1)[-1], p, param=True)
             if line.abs_max is not None and not math.isfinite(line.abs_max):
                 module_name = name.rpartition(".")[0]
-                cls = type(self.model.get_submodule(module_name)).__name__
+                cls = next((i.cls for i in self._infos.values() if i.name == module_name), "?")
                 value = "nan" if math.isnan(line.abs_max) else "inf"
                 first = FirstNonFinite(0, FWD, module_name, cls, line.label, value)
                 self._raise(
@@ -798,3 +724,8 @@ class NumericsMonitor:
                         rank=self.rank,
                     )
                 )
+
+
+def _keep_grad(call: Any, label: str, grad: torch.Tensor) -> None:
+    """A compiled region's output gradient, kept for a backward re-run (grads='modules' only)."""
+    call.output_grads[label] = grad

@@ -21,9 +21,10 @@ def hf_header() -> str:
 
 def format_line(line: Line) -> str:
     """One slot exactly as transformers prints it: ``f"{absmin:8.2e} {absmax:8.2e} {label}"``."""
+    label = f"{line.label} ({line.scope})" if line.scope else line.label
     if line.abs_max is not None:
-        return f"{line.abs_min:8.2e} {line.abs_max:8.2e} {line.label}"
-    return f"{line.kind:>17} {line.label}"
+        return f"{line.abs_min:8.2e} {line.abs_max:8.2e} {label}"
+    return f"{line.kind:>17} {label}"
 
 
 def format_frame(frame: ResolvedFrame, phase: bool = True, marker: Line | None = None) -> list[str]:

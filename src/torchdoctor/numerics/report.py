@@ -55,6 +55,8 @@ class NonFiniteReport:
     marker: Line | None = None
     notes: list[str] = field(default_factory=list)
     fp32_region: str | None = None  # the module to keep in fp32, when that is the fix
+    position: int = 0  # where the first bad frame sits in its step (ranks compare it)
+    boundary: bool = False  # that frame is a compiled region's edge
 
     def text(self) -> str:
         tag = f"[rank{self.rank}] " if self.rank is not None else ""
@@ -116,14 +118,16 @@ def find_first_bad(
     ``judge_params=False`` weights measured now do not count: without a hooked optimizer they may
     have been updated since the forward that is being judged.
 
-    Parameter gradients (``grad:weight``) are measured when the report is built, so they hold the
-    whole backward's sum (a tied weight collects gradients from later modules too): they count only
-    when no value measured at its own time is non-finite.
+    Parameter gradients (``grad:weight``) measured when the report is built hold the whole
+    backward's sum (a tied weight collects gradients from later modules too): they count only when no
+    value measured at its own time is non-finite. (Those measured as the parameter received them, in
+    the backward, carry a ``ref`` and are timely.)
     """
     for timely in (True, False):
         for i in range(start, len(frames)):
             for line in frames[i].lines:
-                if line.finite or (timely and line.label.startswith("grad:")) or (line.param and not judge_params):
+                late = line.label.startswith("grad:") and line.ref is None
+                if line.finite or (timely and late) or (line.param and not judge_params):
                     continue
                 if judge_inputs or not line.label.startswith("input"):
                     return i, line
@@ -347,7 +351,7 @@ def build_report(
         first = FirstNonFinite(frame.step, frame.phase, frame.name, frame.cls, line.label, value)
     shown = frames[max(0, index - max_frames) : index + 1]
     return NonFiniteReport(frame.step, first, shown, diagnosis, fix_keep_fp32(region), rank=rank, marker=line,
-                           fp32_region=region)
+                           fp32_region=region, position=index - start, boundary=frame.boundary)
 
 
 def fix_keep_fp32(region: str | None) -> str | None:

@@ -41,6 +41,51 @@ def skip_reason(t: torch.Tensor) -> str | None:
     return None
 
 
+_DTENSOR: list[type] = []  # torch.distributed.tensor.DTensor, looked up once (not every torch has it)
+
+
+def _dtensor_type() -> type | None:
+    if not _DTENSOR:
+        cls = None
+        if torch.distributed.is_available():
+            try:
+                from torch.distributed.tensor import DTensor as cls
+            except ImportError:  # torch < 2.5 kept it private
+                try:
+                    from torch.distributed._tensor import DTensor as cls
+                except ImportError:
+                    cls = None
+        _DTENSOR.append(cls)
+    return _DTENSOR[0]
+
+
+SHARD = "local shard"  # what a statistic of a sharded tensor covers
+
+
+def local_part(t: torch.Tensor) -> tuple[torch.Tensor, str | None]:
+    """The part of ``t`` this rank holds, and what it covers when that is not all of ``t``.
+
+    A DTensor (FSDP2, tensor parallel) is measured on ``to_local()``: no collective, and the
+    statistics say "local shard" unless every placement is a replica. A DeepSpeed ZeRO-3 parameter
+    outside its forward is an empty placeholder whose values live in ``ds_tensor`` (this rank's
+    partition). FSDP1 (``use_orig_params=True``) leaves each original parameter as this rank's 1-D
+    slice of the flat parameter between forwards, marked ``_fsdp_flattened``. Anything else is its
+    own whole.
+    """
+    cls = type(t)
+    if cls is torch.Tensor:
+        return t, None
+    if cls is torch.nn.Parameter:
+        if t.numel() == 0 and getattr(t, "ds_tensor", None) is not None:
+            return t.ds_tensor, SHARD
+        return t, SHARD if getattr(t, "_fsdp_flattened", False) else None
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(t, dtensor):
+        replicated = all(p.is_replicate() for p in t.placements)
+        return t.to_local(), None if replicated else SHARD
+    return t, None
+
+
 def _abs_of(x: torch.Tensor) -> torch.Tensor:
     """|x| in a dtype that aminmax accepts, exact for every value x can hold."""
     dtype = x.dtype
@@ -194,6 +239,7 @@ def finite_flags_of(tensors: list[torch.Tensor], fused: bool | None = None) -> l
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
+        t = local_part(t)[0]  # a sharded gradient is checked where it lives: no collective
         if t.layout is torch.sparse_coo:  # e.g. nn.Embedding(sparse=True) gradients: check the values
             t = t._values()
         if skip_reason(t) is not None or not (t.dtype.is_floating_point or t.dtype.is_complex):

@@ -1,17 +1,72 @@
-"""Looking through the wrappers that distributed training puts around a model."""
+"""Looking through the wrappers that distributed training and compilation put around a model.
+
+Reports speak the user's names (``blocks.0.fc1``) and classes (``Block``), whatever sits around the
+modules at run time: DDP / DataParallel / FSDP1 / a DeepSpeed engine around the root,
+``torch.compile``'s ``OptimizedModule`` (``_orig_mod``), FSDP1's per-unit wrappers
+(``_fsdp_wrapped_module``), activation-checkpoint wrappers (``_checkpoint_wrapped_module``), and the
+``FSDP<Class>`` classes FSDP2 swaps in. The same names must resolve wherever a user passes one back
+(``keep_fp32(model, "encoder.block.2")`` on a DDP model), so this module is shared.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from torch import nn
+
+# attribute names under which a wrapper keeps the module it wraps; they never appear in a user's name
+WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+# wrappers whose forward only calls the module they wrap (by class name: no import of what is absent)
+_TRANSPARENT = frozenset({
+    "DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "CheckpointWrapper", "OffloadWrapper",
+    "OptimizedModule", "DeepSpeedEngine", "PipelineEngine",
+})
+
+
+def is_wrapper(module: nn.Module) -> bool:
+    """A torch / DeepSpeed wrapper whose forward only calls the module it wraps."""
+    cls = type(module)
+    if cls.__name__ not in _TRANSPARENT or not cls.__module__.startswith(("torch.", "deepspeed.")):
+        return False
+    return isinstance(_inner(module), nn.Module)
+
+
+def _inner(module: nn.Module) -> nn.Module | None:
+    for attr in ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "module"):
+        inner = module.__dict__.get("_modules", {}).get(attr)
+        if isinstance(inner, nn.Module):
+            return inner
+    return None
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module whose forward does the work under DDP / DataParallel wrappers.
-
-    Module names in reports are relative to it, so the same unwrapping must happen wherever a user
-    passes one of those names back (``keep_fp32(model, "encoder.block.2")`` on a DDP model).
-    """
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    while isinstance(model, wrappers):
-        model = model.module
+    """The user's module inside every wrapper around the root (DDP in OptimizedModule, ...)."""
+    while is_wrapper(model):
+        model = _inner(model)
     return model
+
+
+def clean_name(name: str) -> str:
+    """A qualified name without the wrappers' own segments (``blocks.0._fsdp_wrapped_module.fc1`` ->
+    ``blocks.0.fc1``)."""
+    if "._" not in name and not name.startswith("_"):
+        return name
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def user_class_name(module: nn.Module) -> str:
+    """The user's class: FSDP2 swaps in ``FSDP<Class>``, a subclass of FSDPModule and of the user's class."""
+    cls = type(module)
+    if cls.__name__.startswith("FSDP") and cls.__module__.startswith("torch.distributed"):
+        for base in cls.__mro__[1:]:
+            if not base.__module__.startswith("torch.distributed.fsdp"):
+                return base.__name__
+    return cls.__name__
+
+
+def named_user_modules(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``root.named_modules()`` as the user wrote the model: wrappers skipped, names cleaned."""
+    for name, module in unwrap_model(root).named_modules():
+        if not is_wrapper(module):
+            yield clean_name(name), module

@@ -1,0 +1,128 @@
+"""The plain engine: a model (DDP, DataParallel, FSDP1/FSDP2, accelerate looked through) and a torch optimizer.
+
+An engine adapter answers, for the machinery around one model, the questions the monitor asks:
+
+* which module is the user's, what its modules are called and of which class (:meth:`Engine.modules`);
+* where a training step ends and how to check it *before* the update (:meth:`Engine.install`);
+* which gradients are about to be applied (:meth:`Engine.grad_flags`);
+* which loss scaler is in play (:meth:`Engine.loss_scaler`);
+* whether parameters can be measured when a report is built, or only while their module runs
+  (:attr:`Engine.params_at_forward`: DeepSpeed ZeRO-3 gathers them only then).
+
+FSDP needs nothing of its own here: its parameters and gradients are DTensors (FSDP2) or flat
+slices (FSDP1) that :func:`~torchdoctor.numerics.stats.local_part` reads on this rank, its wrappers
+and classes are looked through by :mod:`~torchdoctor.numerics.wrappers`, and its optimizer is a torch
+optimizer. DeepSpeed has its own adapter (:mod:`.deepspeed`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..scalers import LossScaler
+from ..stats import finite_flags_of
+from ..wrappers import clean_name, named_user_modules, unwrap_model, user_class_name
+
+if TYPE_CHECKING:
+    from ..monitor import NumericsMonitor
+
+log = logging.getLogger("torchdoctor.numerics")
+
+
+def torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside wrappers that do not initialise its hooks (accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``): they keep it as ``.optimizer``
+    (Lightning as ``._optimizer``)."""
+    for _ in range(8):
+        if isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            return optimizer
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer:
+            return optimizer
+        optimizer = inner
+    return optimizer
+
+
+class Engine:
+    """A model trained by a torch optimizer, under any wrapper that only forwards the call."""
+
+    kind = "plain"
+    params_at_forward = False  # parameters are measured when a report is built, not during the step
+    prepend_hooks = False  # our forward hooks run after the module's own (True: before them)
+
+    def __init__(self, model: nn.Module, optimizer: Any, scaler: Any) -> None:
+        self.root = unwrap_model(model)
+        self.warnings: list[str] = []
+        self.optimizer = self._hookable(optimizer)
+        self.scaler = self.loss_scaler(scaler)
+
+    # ------------------------------------------------------------------ names
+    def modules(self) -> Iterator[tuple[str, nn.Module]]:
+        return named_user_modules(self.root)
+
+    @staticmethod
+    def class_name(module: nn.Module) -> str:
+        return user_class_name(module)
+
+    @staticmethod
+    def clean(name: str) -> str:
+        return clean_name(name)
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.root.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ the step
+    def _hookable(self, optimizer: Any) -> Any:
+        if optimizer is None:
+            return None
+        inner = torch_optimizer(optimizer)
+        if callable(getattr(inner, "register_step_pre_hook", None)) and hasattr(inner, "_optimizer_step_pre_hooks"):
+            return inner
+        if callable(getattr(inner, "step", None)):
+            return inner  # no step hooks: its step() method is wrapped instead (see install)
+        self.warnings.append(
+            f"optimizer={type(optimizer).__name__} has no step() to hook: non-finite values are still detected "
+            "(gradients when each backward ends, activations at each forward), but a bad update cannot be "
+            "stopped before it is applied. Pass the torch optimizer, or call mon.step() before the update."
+        )
+        return None
+
+    def install(self, mon: NumericsMonitor) -> None:
+        """Check each step before the update: the optimizer's step pre-hook (or a wrapper around its
+        ``step`` when it has no hooks), and notice steps a loss scaler skipped."""
+        opt = self.optimizer
+        if opt is not None:
+            if hasattr(opt, "_optimizer_step_pre_hooks"):
+                mon.add_handle(opt.register_step_pre_hook(mon.on_pre_step))
+                mon.add_handle(opt.register_step_post_hook(mon.on_post_step))
+            else:
+                log.info("%s has no step hooks: wrapping its step() instead", type(opt).__name__)
+                mon.wrap(opt, "step", before=mon.on_pre_step, after=mon.on_post_step)
+            if self.scaler is None and callable(getattr(opt, "zero_grad", None)):
+                mon.wrap(opt, "zero_grad", before=mon.on_zero_grad)
+        if self.scaler is not None:
+            mon.wrap(self.scaler.obj, self.scaler.hook_name, before=mon.on_scaler_update)
+
+    skips_overflow = False  # does the optimizer itself skip a step whose gradients overflowed?
+
+    def attach_grad_watch(self, mon: NumericsMonitor) -> None:
+        """Engines whose gradients are gone before the step check them as they arrive (none here)."""
+
+    def grad_flags(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """On-device "finite" flags of the gradients the optimizer is about to apply (this rank's part)."""
+        return finite_flags_of([p.grad for p in params if p.grad is not None])
+
+    def new_step(self) -> None:
+        """A step starts (engines that collect per-step state reset it here)."""
+
+    # ------------------------------------------------------------------ loss scaling
+    def loss_scaler(self, scaler: Any) -> LossScaler | None:
+        return None if scaler is None else LossScaler(scaler)
+
+    def close(self) -> None:
+        """Undo what :meth:`install` could not register as a handle (nothing, here)."""

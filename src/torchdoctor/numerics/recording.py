@@ -1,0 +1,240 @@
+"""The monitor's hooks: what runs inside a forward or a backward, and records into the current step.
+
+Everything here is on the hot path, so each hook does the least it can: label the values, reduce
+each tensor to (abs min, abs max) on its device (:mod:`.stats`), append a host-side
+:class:`~.frames.Frame`. Nothing reads a value back. The step logic that decides when and how to
+read (one host sync per step) lives in :mod:`.monitor`; this mixin only records.
+
+Inside code that ``torch.compile`` traces, every hook returns at its first line: traced, it is a
+no-op with no guard, so it adds neither a graph break nor a recompilation. Compiled regions are
+watched at their edges instead, where the monitor runs eagerly (:mod:`.compiled`).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from .frames import BWD, FWD, MARK, Frame, ModuleInfo, Slot, measure
+from .slots import input_slots, output_slots
+from .stats import finite_flags_of
+from .step import StepRecord
+
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
+
+
+def _graph_task() -> int:
+    """The running backward's id, -1 outside a backward (then a forward is a real one, not recomputation)."""
+    return torch._C._current_graph_task_id()
+
+
+class Recording:
+    """Forward, backward and mark hooks of :class:`~.monitor.NumericsMonitor` (a mixin)."""
+
+    # set by the monitor
+    _active: bool
+    _hf: bool
+    grads: str
+    step_index: int
+    model: nn.Module
+    _rec: StepRecord
+
+    # ------------------------------------------------------------------ forward
+    def _on_forward(self, info: ModuleInfo, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if _is_compiling() or not self._active:
+            return
+        if _graph_task() != -1:
+            # activation recomputation (gradient checkpointing) inside the backward: not a new frame
+            if self.grads == "modules" and torch.is_grad_enabled():
+                self._hook_grads(info, output)  # reentrant checkpointing builds its graph only here
+            return
+        alone = not self._root_depth and not info.is_root and not self._rerunning
+        if alone and not torch.is_grad_enabled() and not self._hf:
+            return  # a submodule called on its own under no_grad (e.g. generate() running the encoder)
+        self._record_call(info, module, args, kwargs, output)
+        if info.is_root and self._root_depth <= 1 and not self._rerunning:
+            self._root_done = True
+            self._on_root_forward_end()
+
+    def _record_call(self, info: ModuleInfo, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """One forward frame: the module's inputs (context) and outputs (judged)."""
+        rec = self._rec
+        hf = self._hf
+        judge_inputs = hf  # transformers stops on a non-finite input; we show inputs as context
+        slots = [rec.slot(label, v, judge_inputs, hf) for label, v in input_slots(args, kwargs, hf)]
+        at_forward = self._engine.params_at_forward and not info.boundary
+        if at_forward:  # ZeRO-3: the weights exist only while the module runs
+            slots = [
+                rec.slot(name, p, True, hf, param=True) for name, p in module.named_parameters(recurse=False)
+            ] + slots
+        slots += [rec.slot(label, v, True, hf) for label, v in output_slots(output, hf)]
+        rec.frames.append(
+            Frame(self.step_index, FWD, info, slots, with_params=not at_forward and not info.boundary,
+                  first_of_step=not rec.frames)
+        )
+        if torch.is_grad_enabled():
+            if self.grads == "modules":
+                self._hook_grads(info, output)
+            elif info.is_root:
+                self._hook_backward_seen(output)
+
+    def _on_root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if _is_compiling() or not self._active or _graph_task() != -1 or self._rerunning:
+            return
+        if self._root_depth and not self._inside_root_forward(module):
+            self._root_depth = 0  # a KeyboardInterrupt skipped the always-called hook: not really nested
+            self._root_done = False
+        self._root_depth += 1
+        if self._root_depth > 1:  # a nested call of the root from inside its own forward
+            return
+        if self._forward_pending and self._steps_end_at_forward():
+            self._forward_pending = False
+            self._close_step("forward")  # the previous forward and the backward that followed it
+        if self._stash is not None and torch.is_grad_enabled():  # an evaluation forward raised midway
+            self._rec, self._stash = self._stash, None
+        if not torch.is_grad_enabled() and not self._steps_end_at_forward() and self._stash is None:
+            # an evaluation / generation forward between training steps: checked on its own at its end,
+            # so that a long evaluation loop does not pile its frames onto the training step
+            self._stash, self._rec = self._rec, StepRecord()
+            return
+        # A backward ran, yet every gradient is None again: the optimizer step was skipped (a loss
+        # scaler saw an overflow) and zero_grad() ran. Close that step now.
+        skipped_possible = self._rec.backward_ran and not self._manual and self.optimizer is not None
+        if skipped_possible and self.scaler is None and all(p.grad is None for p in self._params):
+            self._close_step("skipped")
+        self._forward_start = len(self._rec.frames)
+
+    def _inside_root_forward(self, module: nn.Module) -> bool:
+        """Is an *outer* call of the root module on the Python stack? Asked only when the depth counter
+        says so; the pre-forward hook itself runs inside the current call's ``_call_impl``."""
+        calls = 0
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_name in ("_call_impl", "_region_call") and frame.f_locals.get("self") in (
+                module, self
+            ):
+                calls += 1
+                if calls > 1:
+                    return True
+            frame = frame.f_back
+        return False
+
+    def _on_root_forward_always(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if _is_compiling() or _graph_task() != -1 or self._rerunning:
+            return
+        self._root_depth = max(0, self._root_depth - 1)
+        if self._root_done or self._root_depth or not self._active:
+            self._root_done = False
+            return
+        self._on_root_forward_failed()
+
+    def _hook_backward_seen(self, output: Any) -> None:
+        """One cheap hook on the root output that notes that a backward ran (for skipped steps)."""
+        for _, v in output_slots(output):
+            if isinstance(v, torch.Tensor) and v.requires_grad:
+                v.register_hook(self._on_backward_seen)
+                return
+
+    def _on_backward_seen(self, grad: torch.Tensor) -> None:
+        self._rec.backward_ran = True
+
+    # ------------------------------------------------------------------ backward
+    def _hook_param_grads(self) -> None:
+        """Without a hooked optimizer, check the parameter gradients when each backward ends (on
+        device, read with the step's flag): zero_grad() or the update may come before the step ends.
+        A post-accumulate hook per parameter notices any backward that writes a gradient, whatever
+        output the loss was computed from."""
+        if self._grad_hooks_on or self.grads == "none":
+            return
+        self._grad_hooks_on = True
+        for p in self._params:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_param_grad))
+
+    def _on_param_grad(self, param: torch.Tensor) -> None:
+        if not self._active or self._optimizer_hooked():
+            return
+        rec = self._rec
+        rec.backward_ran = True
+        task = _graph_task()
+        if task != rec.queued_task:  # once per backward (a backward that raised never ran its callback)
+            rec.queued_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        rec = self._rec
+        rec.queued_task = None
+        if self._active:
+            with_grad = [p for p in self._params if p.grad is not None]
+            rec.backward_grad_flags.extend(finite_flags_of([p.grad for p in with_grad]))
+            rec.backward_grads.extend((p, weakref.ref(p.grad)) for p in with_grad)
+
+    def _on_param_grad_received(self, info: ModuleInfo, label: str, grad: torch.Tensor) -> None:
+        """A parameter receives its gradient in the backward (engines whose gradients are gone by the
+        step, DeepSpeed): measured now, as a frame of its module, in backward order."""
+        if not self._active:
+            return
+        rec = self._rec
+        rec.backward_ran = True
+        slot = measure(rec.buffer, label, grad)
+        last = rec.frames[-1] if rec.frames else None
+        if last is not None and last.info is info and last.phase == BWD and last.slots[-1].label.startswith("grad:"):
+            last.slots.append(slot)  # the module's other parameters: one frame per module
+        else:
+            rec.frames.append(Frame(self.step_index, BWD, info, [slot]))
+
+    def _hook_grads(self, info: ModuleInfo, output: Any) -> None:
+        rec = self._rec
+        for label, v in output_slots(output):
+            if not (isinstance(v, torch.Tensor) and v.requires_grad):
+                continue
+            key = id(v)
+            seen = rec.seen.get(key)
+            source = seen[2].ref if seen is not None and seen[0]() is v else None
+            entry = rec.grad_targets.get(key)
+            if entry is not None and entry[0]() is v:
+                entry[1].append((info, "grad_" + label, source))
+                continue
+            targets = [(info, "grad_" + label, source)]
+            rec.grad_targets[key] = (weakref.ref(v), targets)
+            v.register_hook(functools.partial(self._on_grad, targets))
+
+    def _on_grad(self, targets: list, grad: torch.Tensor) -> None:
+        if not self._active:
+            return
+        rec = self._rec
+        rec.backward_ran = True
+        measured = measure(rec.buffer, targets[0][1], grad)
+        seen_modules = set()
+        for info, label, source in targets:
+            first_for_module = id(info) not in seen_modules
+            seen_modules.add(id(info))
+            rec.frames.append(
+                Frame(
+                    self.step_index,
+                    BWD,
+                    info,
+                    [Slot(label, measured.ref, measured.kind, measured.dtype, scope=measured.scope)],
+                    with_param_grads=first_for_module and not info.boundary,
+                    source_ref=source,
+                )
+            )
+
+    # ------------------------------------------------------------------ marks
+    def mark(self, tensor: torch.Tensor, ctx: str) -> None:
+        """Add a frame for an intermediate value, in execution order, without a host sync."""
+        if _is_compiling():
+            return
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"mark() needs a tensor, got {type(tensor).__name__}")
+        if not self._active or _graph_task() != -1:  # not again in recomputation
+            return
+        info = ModuleInfo(ctx, "mark", weakref.ref(self.model))
+        rec = self._rec
+        rec.frames.append(
+            Frame(self.step_index, MARK, info, [rec.slot("value", tensor)], first_of_step=not rec.frames)
+        )
