@@ -34,8 +34,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .frames import ModuleInfo
+from .frames import BWD, ModuleInfo, ResolvedFrame
+from .report import NonFiniteReport, build_report
 from .slots import output_slots
+from .step import StepRecord
 from .wrappers import clean_name, is_wrapper, unwrap_model, user_class_name
 
 if TYPE_CHECKING:
@@ -209,3 +211,68 @@ def rerun(mon: NumericsMonitor, call: RegionCall, backward: bool) -> None:
         torch.set_rng_state(cpu_now)
         if cuda_now is not None:
             torch.cuda.set_rng_state(cuda_now, call.cuda_rng[0])
+
+
+def _call_for(rec: StepRecord, bad: ResolvedFrame, position: int, backward: bool) -> RegionCall | None:
+    """The region call to re-run for the first bad frame: the one whose edge it is, or (a parameter
+    gradient measured at the step's end) the innermost region holding that module."""
+    frame = rec.frames[position] if 0 <= position < len(rec.frames) else None
+    if bad.boundary and frame is not None:
+        for c in rec.region_calls:
+            outputs = {s.ref for s in c.frame.slots if s.ref is not None}
+            if c.frame is frame or (backward and frame.source_ref in outputs):
+                return c
+        return None
+    if not backward:
+        return None
+    holding = [c for c in rec.region_calls
+               if c.region.info.name == "" or bad.name == c.region.info.name
+               or bad.name.startswith(c.region.info.name + ".")]
+    return max(holding, key=lambda c: len(c.region.info.name), default=None)
+
+
+def localize(mon: NumericsMonitor, report: NonFiniteReport, frames: list[ResolvedFrame], start: int,
+             judge_params: bool) -> NonFiniteReport:
+    """The first bad value is at a compiled region's edge (or in a parameter gradient of a module inside
+    one): re-run that call eagerly, look inside, and return the report of what the re-run shows."""
+    position = report.position
+    bad = frames[start + position]
+    backward = report.first is not None and report.first.phase == BWD
+    if not bad.boundary and not (backward and report.marker is not None and report.marker.label.startswith("grad:")):
+        return report
+    call = _call_for(mon._rec, bad, position, backward)
+    if call is None:
+        return report
+    shown = call.region.info.name or "the model"
+    if backward and not call.output_grads:  # grads="params": the note to use "modules" follows
+        return report
+    blocked = mon._regions.rerun_blocked(call.region, mon._world)
+    if blocked:
+        report.notes.append(f"{shown} is compiled (torch.compile); {blocked}.")
+        return report
+    saved, mon._rec, mon._rerunning = mon._rec, StepRecord(), True
+    try:
+        rerun(mon, call, backward)
+        inner = mon._resolved([mon._rec])
+    except Exception as e:  # the re-run is a bonus: never let it hide the finding itself
+        report.notes.append(f"(the eager re-run of {shown} failed: {type(e).__name__}: {e})")
+        return report
+    finally:
+        mon._rec, mon._rerunning = saved, False
+    edge = start + position if bad.boundary else len(frames)
+    context = frames[:edge]
+    again = build_report(context + inner, mon.max_frames, mon.rank, len(context), mon._hf, judge_params)
+    if again is None:
+        report.notes.append(
+            f"{shown} is compiled (torch.compile). Its call was re-run eagerly on the same inputs (RNG state "
+            "restored) and stayed finite there: the compiled kernels round differently near the dtype's limit "
+            "(or drew other dropout masks). Run this step without torch.compile to see inside."
+        )
+        return report
+    again.notes.append(
+        f"{shown} is compiled (torch.compile): the frames inside it come from an eager re-run of that call on the "
+        "same inputs (RNG state restored), after the compiled run went non-finite "
+        + ("at its edge." if bad.boundary else f"in {bad.name}'s parameter gradients.")
+    )
+    again.position = position  # ranks compare where the value went bad in the step they all ran
+    return again

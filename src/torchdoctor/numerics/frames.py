@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .slots import NOT_A_TENSOR
-from .stats import StatBuffer, StatRef, abs_min_max, has_inf, local_part, lookup, skip_reason
+from .stats import ELSEWHERE, StatBuffer, StatRef, abs_min_max, has_inf, local_part, lookup, shard_skip_reason
 
 FWD, BWD, MARK = "fwd", "bwd", "mark"
 
@@ -132,8 +132,9 @@ def measure(buffer: StatBuffer, label: str, value: Any, judged: bool = True, par
     """Describe ``value`` as a slot, putting its statistics in ``buffer`` when it is a tensor."""
     if isinstance(value, torch.Tensor):
         value, scope = local_part(value)
-        reason = skip_reason(value)
+        reason = shard_skip_reason(value, scope)
         if reason is not None:
+            scope = None if reason == ELSEWHERE else scope
             return Slot(label, kind=reason, dtype=value.dtype, scope=scope, param=param)
         return Slot(label, ref=buffer.add(value, judged), dtype=value.dtype, scope=scope, param=param)
     if value is None:
@@ -148,7 +149,8 @@ def measure_now(label: str, t: torch.Tensor | None, param: bool = False) -> Line
     t, scope = local_part(t)
     if t.layout is torch.sparse_coo:  # sparse gradients (nn.Embedding(sparse=True)): their values
         t = t.coalesce().values()
-    reason = skip_reason(t)
+    reason = shard_skip_reason(t, scope)
+    scope = None if reason == ELSEWHERE else scope
     if reason is not None:
         return Line(label, kind=reason, dtype=t.dtype, param=param, scope=scope)
     mn, mx = abs_min_max(t)

@@ -56,8 +56,8 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from ..advice import FP16_COLLAPSE_TORCH
-from .compiled import Region, Regions, rerun
+from ..advice import fp16_collapse_fix
+from .compiled import Region, Regions, localize
 from .engines import MonitorWarning, select_engine
 from .errors import AbortAfterStep, NonFiniteError
 from .frames import BWD, FWD, ModuleInfo, ResolvedFrame, measure_now, resolve
@@ -184,6 +184,7 @@ class NumericsMonitor(Recording):
         self._grad_hooks_on = False
         self._rerunning = False  # an eager re-run of a compiled region is recording
         self._region_stack: list[tuple[Region, Any]] = []
+        self._measured_params: dict[int, list] = {}  # ZeRO-3: weights measured as their module's forward began
         self._history: deque[StepRecord] = deque()
         self._handles: list[Any] = []
         self._restore: list[tuple[Any, str, Any, Any]] = []
@@ -216,9 +217,9 @@ class NumericsMonitor(Recording):
             info = ModuleInfo(name, engine.class_name(module), weakref.ref(module), is_root=is_root)
             self._infos[id(module)] = info
             _WATCHED[module] = self
-            self.add_handle(module.register_forward_hook(
-                functools.partial(self._on_forward, info), with_kwargs=True, prepend=engine.prepend_hooks
-            ))
+            self.add_handle(module.register_forward_hook(functools.partial(self._on_forward, info), with_kwargs=True))
+            if engine.params_at_forward:
+                self.add_handle(module.register_forward_pre_hook(self._on_pre_forward_params))
         if root_region is None:
             self.add_handle(self.model.register_forward_pre_hook(self._on_root_pre_forward))
             # runs after the root's own hook, and also when the forward raises (then only this one runs)
@@ -488,60 +489,12 @@ class NumericsMonitor(Recording):
         if check_grads and find_first_bad(frames, start, self._hf, judge_params) is None:
             frames += self._param_grad_frames(step)
         report = build_report(frames, self.max_frames, self.rank, start, self._hf, judge_params)
-        if report is not None and report.boundary:
-            report = self._localize(report, frames, start, judge_params)
+        if report is not None and self._rec.region_calls:
+            report = localize(self, report, frames, start, judge_params)
         if report is None:
             return None, NO_BAD
         phase = 1 if report.first is not None and report.first.phase == BWD else 0
         return report, first_bad_code(phase, report.position)
-
-    def _localize(self, report: NonFiniteReport, frames: list[ResolvedFrame], start: int,
-                  judge_params: bool) -> NonFiniteReport:
-        """The first bad value is at a compiled region's edge: re-run that call eagerly to look inside."""
-        position = report.position
-        frame = self._rec.frames[position] if 0 <= position < len(self._rec.frames) else None
-        backward = report.first is not None and report.first.phase == BWD
-        call = None
-        for c in self._rec.region_calls:
-            if frame is not None and (c.frame is frame or (backward and any(
-                s.ref == frame.source_ref for s in c.frame.slots if s.ref is not None
-            ))):
-                call = c
-                break
-        name = frame.info.name if frame is not None else "?"
-        shown = name or "the model"
-        if call is None or (backward and not call.output_grads):
-            report.notes.append(f"{shown} is compiled (torch.compile): the frames inside it are not recorded.")
-            return report
-        blocked = self._regions.rerun_blocked(call.region, self._world)
-        if blocked:
-            report.notes.append(f"{shown} is compiled (torch.compile); {blocked}.")
-            return report
-        saved, self._rec, self._rerunning = self._rec, StepRecord(), True
-        try:
-            rerun(self, call, backward)
-        except Exception as e:  # the re-run is a bonus: never let it hide the finding itself
-            log.warning("torchdoctor: the eager re-run of %s failed: %s", shown, e)
-            inner: list[ResolvedFrame] = []
-        else:
-            inner = self._resolved([self._rec])
-        finally:
-            self._rec, self._rerunning = saved, False
-        edge = start + position
-        again = build_report(frames[:edge] + inner, self.max_frames, self.rank, start, self._hf, judge_params)
-        if again is None or again.boundary and again.position == position:
-            report.notes.append(
-                f"{shown} is compiled (torch.compile). Its call was re-run eagerly on the same inputs (RNG state "
-                "restored) and stayed finite there: the compiled kernels round differently near the dtype's limit "
-                "(or drew other dropout masks). Run this step without torch.compile to see inside."
-            )
-            return report
-        again.notes.append(
-            f"{shown} is compiled (torch.compile): its output was {report.first.value} at the region's edge; the "
-            f"frames inside it come from an eager re-run of that call on the same inputs (RNG state restored)."
-        )
-        again.position = position  # ranks compare where the value went bad in the step they all ran
-        return again
 
     def _handle_nonfinite(self, step: int, source: str, check_grads: bool) -> None:
         report, code = self._build_step_report(step, check_grads)
@@ -588,7 +541,8 @@ class NumericsMonitor(Recording):
         if first.phase == BWD:
             report.diagnosis = (
                 f"this rank's forward was finite; rank(s) {others} produced non-finite activations in "
-                "this step and their gradients reached this rank through the gradient all-reduce. "
+                "this step and their gradients reached this rank through the gradient reduction (DDP's "
+                "all-reduce, FSDP's reduce-scatter). "
                 f"See the report of rank {others[0]}."
             )
         else:
@@ -624,8 +578,8 @@ class NumericsMonitor(Recording):
                 f"{why}: the gradients overflow at every scale, so this is not a transient spike. "
                 + report.diagnosis
             )
-            fix = self._scaler.fix if self._scaler is not None else FP16_COLLAPSE_TORCH
-            report.fix = fix if report.fix is None else f"{fix}; or {report.fix}"
+            deepspeed = self._scaler is not None and self._scaler.deepspeed
+            report.fix = fp16_collapse_fix(deepspeed, report.fp32_region)
             self._raise(report)
 
     def _release_modules(self) -> None:

@@ -66,22 +66,29 @@ class Recording:
         rec = self._rec
         hf = self._hf
         judge_inputs = hf  # transformers stops on a non-finite input; we show inputs as context
-        slots = [rec.slot(label, v, judge_inputs, hf) for label, v in input_slots(args, kwargs, hf)]
-        at_forward = self._engine.params_at_forward and not info.boundary
-        if at_forward:  # ZeRO-3: the weights exist only while the module runs
-            slots = [
-                rec.slot(name, p, True, hf, param=True) for name, p in module.named_parameters(recurse=False)
-            ] + slots
+        at_forward = self._engine.params_at_forward
+        slots = self._measured_params.pop(id(module), []) if at_forward else []
+        slots += [rec.slot(label, v, judge_inputs, hf) for label, v in input_slots(args, kwargs, hf)]
         slots += [rec.slot(label, v, True, hf) for label, v in output_slots(output, hf)]
         rec.frames.append(
-            Frame(self.step_index, FWD, info, slots, with_params=not at_forward and not info.boundary,
-                  first_of_step=not rec.frames)
+            Frame(self.step_index, FWD, info, slots, with_params=not at_forward, first_of_step=not rec.frames)
         )
         if torch.is_grad_enabled():
             if self.grads == "modules":
                 self._hook_grads(info, output)
             elif info.is_root:
                 self._hook_backward_seen(output)
+
+    def _on_pre_forward_params(self, module: nn.Module, args: Any) -> None:
+        """Engines that gather weights only for their module's forward (ZeRO-3): measure them as it starts.
+        (DeepSpeed's own pre-forward hook, registered first, has gathered them; read without attribute
+        access, which would gather again.)"""
+        if _is_compiling() or not self._active or _graph_task() != -1:
+            return
+        rec = self._rec
+        self._measured_params[id(module)] = [
+            rec.slot(name, p, True, self._hf, param=True) for name, p in module.named_parameters(recurse=False)
+        ]
 
     def _on_root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if _is_compiling() or not self._active or _graph_task() != -1 or self._rerunning:
@@ -219,7 +226,7 @@ class Recording:
                     BWD,
                     info,
                     [Slot(label, measured.ref, measured.kind, measured.dtype, scope=measured.scope)],
-                    with_param_grads=first_for_module and not info.boundary,
+                    with_param_grads=first_for_module and self._engine.grads_at_report,
                     source_ref=source,
                 )
             )

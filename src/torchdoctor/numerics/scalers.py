@@ -18,8 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..advice import FP16_COLLAPSE_DEEPSPEED, FP16_COLLAPSE_TORCH
-
 
 @dataclass
 class OverflowEvent:
@@ -79,7 +77,3 @@ class LossScaler:
             return False
         floor = self.floor
         return scale < min_loss_scale or (floor is not None and scale <= floor)
-
-    @property
-    def fix(self) -> str:
-        return FP16_COLLAPSE_DEEPSPEED if self.deepspeed else FP16_COLLAPSE_TORCH

@@ -14,6 +14,7 @@ the extra memory does not grow with the batch size.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,7 @@ def _dtensor_type() -> type | None:
 
 
 SHARD = "local shard"  # what a statistic of a sharded tensor covers
+ELSEWHERE = "on other ranks"  # a sharded tensor of which this rank holds nothing
 
 
 def local_part(t: torch.Tensor) -> tuple[torch.Tensor, str | None]:
@@ -84,6 +86,13 @@ def local_part(t: torch.Tensor) -> tuple[torch.Tensor, str | None]:
         replicated = all(p.is_replicate() for p in t.placements)
         return t.to_local(), None if replicated else SHARD
     return t, None
+
+
+def shard_skip_reason(t: torch.Tensor, scope: str | None) -> str | None:
+    """:func:`skip_reason` for a tensor's local part: an empty shard means the values live elsewhere."""
+    if scope == SHARD and t.numel() == 0:
+        return ELSEWHERE
+    return skip_reason(t)
 
 
 def _abs_of(x: torch.Tensor) -> torch.Tensor:
@@ -121,6 +130,7 @@ def abs_min_max(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 GroupKey = tuple[bool, torch.device, torch.dtype]  # (judged, device, dtype)
+_BUFFER_IDS = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +139,7 @@ class StatRef:
 
     key: GroupKey
     index: int  # position of abs min; abs max is at index + 1
+    buffer: int = 0  # which buffer: refs of two steps (or of a step and its re-run) never compare equal
 
     @property
     def judged(self) -> bool:
@@ -142,11 +153,12 @@ class StatBuffer:
     additive ``-inf`` mask is legitimate) are context for the report only.
     """
 
-    __slots__ = ("_groups", "_stacked")
+    __slots__ = ("_groups", "_stacked", "_id")
 
     def __init__(self) -> None:
         self._groups: dict[GroupKey, list[torch.Tensor]] = {}
         self._stacked: dict[GroupKey, torch.Tensor] | None = None
+        self._id = next(_BUFFER_IDS)
 
     def add(self, t: torch.Tensor, judged: bool = True) -> StatRef:
         """Reduce ``t`` on its device and keep the two 0-d results. ``t`` must not be skipped."""
@@ -158,7 +170,7 @@ class StatBuffer:
         index = len(group)
         group.append(mn)
         group.append(mx)
-        return StatRef(key, index)
+        return StatRef(key, index, self._id)
 
     def add_flag(self, flag: torch.Tensor) -> StatRef:
         """Keep a 0-d bool as context (never judged), e.g. "this tensor also holds an inf"."""
@@ -167,7 +179,7 @@ class StatBuffer:
         group = self._groups.setdefault(key, [])
         group.append(value)
         group.append(value)  # entries come in pairs: the flag is both "min" and "max"
-        return StatRef(key, len(group) - 2)
+        return StatRef(key, len(group) - 2, self._id)
 
     def stacked(self) -> dict[GroupKey, torch.Tensor]:
         """One device tensor per group (computed once; the buffer is frozen afterwards)."""

@@ -53,7 +53,7 @@ class Engine:
 
     kind = "plain"
     params_at_forward = False  # parameters are measured when a report is built, not during the step
-    prepend_hooks = False  # our forward hooks run after the module's own (True: before them)
+    grads_at_report = True  # parameter gradients (p.grad) still exist when the step is checked
 
     def __init__(self, model: nn.Module, optimizer: Any, scaler: Any) -> None:
         self.root = unwrap_model(model)

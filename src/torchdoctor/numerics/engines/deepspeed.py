@@ -16,8 +16,10 @@ What the monitor needs, and where DeepSpeed (0.14 - 0.19) keeps it:
   every stage, with the full local gradient of the micro-batch, before DeepSpeed reduces it). Any rank's
   non-finite gradient makes the reduced one non-finite, and the shared verdict stops every rank.
 * **ZeRO-3 weights** exist only while their module runs (an empty placeholder otherwise): they are
-  measured in the forward, by a forward hook placed before DeepSpeed's own (which releases them);
-  outside the forward, this rank's partition (``ds_tensor``) is measured, labelled "local shard".
+  measured as the module's forward starts, by a pre-forward hook that runs after DeepSpeed's own (which
+  gathers them); outside the forward, this rank's partition (``ds_tensor``) is measured, labelled "local
+  shard". The outputs are measured after DeepSpeed's post-forward hook, so they are the very tensors the
+  next module receives (DeepSpeed replaces them to hook its backward).
   Parameters are read with ``named_parameters(recurse=False)``: attribute access would gather them.
 * **Loss scaling.** fp16 ZeRO optimizers keep a ``DynamicLossScaler`` as ``.loss_scaler``; the FP16
   optimizers a ``loss_scale_config``. With a dynamic scale, DeepSpeed skips an overflowing step itself:
@@ -85,7 +87,8 @@ class DeepSpeedEngine(Engine):
         self._scaler_given = scaler is not None
         super().__init__(model, optimizer, scaler)
         self.zero3 = any(hasattr(p, "ds_id") for p in self.root.parameters())
-        self.params_at_forward = self.prepend_hooks = self.zero3
+        self.params_at_forward = self.zero3
+        self.grads_at_report = False  # p.grad is gone by the step: gradients are measured as they arrive
 
     def _hookable(self, optimizer: Any) -> Any:
         return deepspeed_optimizer_of(optimizer) or super()._hookable(optimizer)
