@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .frames import BWD, ModuleInfo, ResolvedFrame
-from .report import NonFiniteReport, build_report
+from .report import NonFiniteReport, backward_consumer, build_report
 from .slots import output_slots
 from .step import StepRecord
 from .wrappers import clean_name, is_wrapper, unwrap_model, user_class_name
@@ -213,18 +213,25 @@ def rerun(mon: NumericsMonitor, call: RegionCall, backward: bool) -> None:
             torch.cuda.set_rng_state(cuda_now, call.cuda_rng[0])
 
 
-def _call_for(rec: StepRecord, bad: ResolvedFrame, position: int, backward: bool) -> RegionCall | None:
-    """The region call to re-run for the first bad frame: the one whose edge it is, or (a parameter
-    gradient measured at the step's end) the innermost region holding that module."""
-    frame = rec.frames[position] if 0 <= position < len(rec.frames) else None
-    if bad.boundary and frame is not None:
-        for c in rec.region_calls:
-            outputs = {s.ref for s in c.frame.slots if s.ref is not None}
-            if c.frame is frame or (backward and frame.source_ref in outputs):
-                return c
-        return None
+def _call_for(rec: StepRecord, frames: list[ResolvedFrame], start: int, index: int,
+              backward: bool) -> RegionCall | None:
+    """The region call to re-run for the first bad frame ``frames[index]``.
+
+    A forward value at a region's edge: that call. A gradient at a module's output is made by the backward
+    of the module that consumed the output: re-run it if it is a compiled region. A parameter gradient
+    measured at the step's end: the innermost region holding that module."""
+    bad = frames[index]
+
+    def call_of(resolved: ResolvedFrame) -> RegionCall | None:
+        position = frames.index(resolved) - start
+        frame = rec.frames[position] if 0 <= position < len(rec.frames) else None
+        return next((c for c in rec.region_calls if frame is not None and c.frame is frame), None)
+
     if not backward:
-        return None
+        return call_of(bad) if bad.boundary else None
+    if bad.lines and any(not ln.finite and not (ln.label.startswith("grad:") and ln.ref is None) for ln in bad.lines):
+        consumer = backward_consumer(frames, index)
+        return call_of(consumer) if consumer is not None and consumer.boundary else None
     holding = [c for c in rec.region_calls
                if c.region.info.name == "" or bad.name == c.region.info.name
                or bad.name.startswith(c.region.info.name + ".")]
@@ -238,9 +245,7 @@ def localize(mon: NumericsMonitor, report: NonFiniteReport, frames: list[Resolve
     position = report.position
     bad = frames[start + position]
     backward = report.first is not None and report.first.phase == BWD
-    if not bad.boundary and not (backward and report.marker is not None and report.marker.label.startswith("grad:")):
-        return report
-    call = _call_for(mon._rec, bad, position, backward)
+    call = _call_for(mon._rec, frames, start, start + position, backward)
     if call is None:
         return report
     shown = call.region.info.name or "the model"
@@ -259,8 +264,7 @@ def localize(mon: NumericsMonitor, report: NonFiniteReport, frames: list[Resolve
         return report
     finally:
         mon._rec, mon._rerunning = saved, False
-    edge = start + position if bad.boundary else len(frames)
-    context = frames[:edge]
+    context = frames[: start + position]  # everything before the first bad frame, then what the re-run saw
     again = build_report(context + inner, mon.max_frames, mon.rank, len(context), mon._hf, judge_params)
     if again is None:
         report.notes.append(
@@ -272,7 +276,8 @@ def localize(mon: NumericsMonitor, report: NonFiniteReport, frames: list[Resolve
     again.notes.append(
         f"{shown} is compiled (torch.compile): the frames inside it come from an eager re-run of that call on the "
         "same inputs (RNG state restored), after the compiled run went non-finite "
-        + ("at its edge." if bad.boundary else f"in {bad.name}'s parameter gradients.")
+        + (f"in {bad.name}'s parameter gradients." if bad.lines[-1].label.startswith("grad:") and not bad.boundary
+           else "at its edge.")
     )
     again.position = position  # ranks compare where the value went bad in the step they all ran
     return again
