@@ -1,5 +1,6 @@
 """Run under torchrun (gloo): DDP training where rank 1 alone gets a non-finite input at step 2
-(mode "train"), or a nan in an evaluation forward under no_grad after step 1 (mode "eval").
+(mode "train"; "accelerate": the same through accelerate's prepare() and backward()), or a nan in an
+evaluation forward under no_grad after step 1 (mode "eval").
 
 Writes result-rank<r>.json (what its monitor reported) into the report folder; used by tests/test_ddp.py.
 """
@@ -21,16 +22,26 @@ def main(report_dir: str, mode: str) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    result = {"rank": rank, "error": None}
+    backward = torch.Tensor.backward
+    if mode == "accelerate":  # accelerate's own DDP wrapper and AcceleratedOptimizer, as users write it
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=True)
+        ddp, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+        backward = accelerator.backward
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    result = {"rank": rank, "error": None, "wrapped": type(ddp).__name__, "optimizer": type(opt).__name__}
+    before = None
     try:
         with NumericsMonitor(ddp, optimizer=opt, report_dir=report_dir) as mon:
             for step in range(5):
                 x = torch.randn(4, 8)
-                if mode == "train" and rank == 1 and step == 2:
+                if mode in ("train", "accelerate") and rank == 1 and step == 2:
                     x[0, 3] = float("inf")
-                ddp(x).pow(2).mean().backward()
+                before = [p.detach().clone() for p in model.parameters()]
+                backward(ddp(x).pow(2).mean())
                 opt.step()
                 opt.zero_grad()
                 if mode == "eval" and step == 1:
@@ -39,6 +50,7 @@ def main(report_dir: str, mode: str) -> None:
     except NonFiniteError as e:
         result["error"] = {"first": e.first.to_json() if e.first else None, "report": e.report}
     result["steps"] = mon.step_index
+    result["identical"] = before is not None and all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     with open(os.path.join(report_dir, f"result-rank{rank}.json"), "w") as fh:  # stdout would interleave
         json.dump(result, fh)
     dist.destroy_process_group()

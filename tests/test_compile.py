@@ -14,6 +14,7 @@ from torch._dynamo.utils import clear_compilation_metrics, counters, get_compila
 
 from conftest import GradBoom
 from torchdoctor import NonFiniteError, NumericsMonitor
+from torchdoctor.numerics.engines import MonitorWarning
 
 LEVELS = ("none", "params", "modules")
 MODES = ("torch.compile", "model.compile", "per-layer")
@@ -182,3 +183,22 @@ def test_hooks_removed_on_close_and_compiled_call_restored():
     mon.close()
     assert model._compiled_call_impl is original
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_compiled_after_attaching_is_said_or_caught_up():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with NumericsMonitor(model, optimizer=opt) as mon:
+        model.compile(backend="aot_eager")  # module.compile() after attaching: its edge is watched from the next step
+        for _ in range(2):
+            model(torch.randn(8, 32)).sum().backward()
+            opt.step()
+        assert mon._history[-1].frames[-1].info.boundary
+    torch._dynamo.reset()
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with NumericsMonitor(model, optimizer=opt):
+        call = torch.compile(model, backend="aot_eager")  # a wrapper the monitor never sees: say so, once
+        with pytest.warns(MonitorWarning, match=r"attach it to the compiled model"):
+            call(torch.randn(8, 32)).sum().backward()
+            opt.step()

@@ -47,3 +47,13 @@ def test_ddp_a_bad_evaluation_forward_on_one_rank_stops_both_at_the_next_step(tm
     assert "torch.no_grad()" in bad["error"]["report"]
     assert good["error"]["first"] is None and "rank(s) [1]" in good["error"]["report"]
     assert bad["steps"] == good["steps"] == 2  # both stopped at the same step instead of hanging
+
+
+def test_accelerate_prepared_model_and_optimizer_are_looked_through(tmp_path):
+    results = run_workers(tmp_path, "accelerate")
+    bad, good = results[1], results[0]
+    assert bad["wrapped"] == "DistributedDataParallel" and bad["optimizer"] == "AcceleratedOptimizer"
+    assert bad["error"]["first"]["module"] == "0" and bad["error"]["first"]["phase"] == "fwd"
+    assert "rank(s) [1] produced non-finite activations" in good["error"]["report"]
+    assert bad["steps"] == good["steps"] == 2
+    assert bad["identical"] and good["identical"]  # the step was checked inside AcceleratedOptimizer.step

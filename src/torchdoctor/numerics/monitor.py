@@ -184,6 +184,7 @@ class NumericsMonitor(Recording):
         self._grad_hooks_on = False
         self._rerunning = False  # an eager re-run of a compiled region is recording
         self._region_stack: list[tuple[Region, Any]] = []
+        self._warned_unseen = False  # said once: a step without any recorded forward
         self._measured_params: dict[int, list] = {}  # ZeRO-3: weights measured as their module's forward began
         self._history: deque[StepRecord] = deque()
         self._handles: list[Any] = []
@@ -398,6 +399,8 @@ class NumericsMonitor(Recording):
         nothing = rec.empty and self._deferred_report is None
         if nothing and source in ("forward", "skipped", "final") and not self._sync_ranks:
             return  # (under DDP every rank must take part in the verdict, so no shortcut there)
+        if not rec.frames and source == "optimizer" and not self._warned_unseen:
+            self._forward_unseen()
         act_ok = rec.activation_flag()  # activations, module-level and engine-collected gradients
         if self._deferred_report is not None:
             act_ok = torch.zeros((), dtype=torch.bool)
@@ -419,6 +422,24 @@ class NumericsMonitor(Recording):
         self._rotate()
         if abort_check and source != "skipped":
             self._check_abort_after(step)
+
+    def _forward_unseen(self) -> None:
+        """The optimizer steps, yet no forward was recorded: was the model compiled after we attached?
+        Inside compiled code the hooks do nothing; ``module.compile()`` regions can still get their edges."""
+        self._warned_unseen = True
+        late = Regions(self, self.model, self.model)
+        if late:
+            late.install(self)
+            self._regions.regions += late.regions
+            log.warning("torchdoctor: the model was compiled after the monitor attached; watching the compiled "
+                        "regions' edges from the next step on")
+            return
+        warnings.warn(
+            "torchdoctor: the optimizer steps but no forward of the model was recorded. If the model was compiled "
+            "after the monitor attached (torch.compile(model)), attach it to the compiled model instead: "
+            "NumericsMonitor(torch.compile(model), ...); inside compiled code the monitor's hooks do nothing. "
+            "Gradients are still checked.", MonitorWarning, stacklevel=4,
+        )
 
     def _rotate(self) -> None:
         """Keep recent steps (unread, on device) as context for a report, then start a new step."""
