@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import operator
 import os
 import sys
@@ -56,20 +55,19 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from ..advice import fp16_collapse_fix
-from .compiled import Region, Regions, localize
+from .compiled import Region, Regions
 from .engines import MonitorWarning, select_engine
 from .errors import AbortAfterStep, NonFiniteError
-from .frames import BWD, FWD, ModuleInfo, ResolvedFrame, measure_now, resolve
+from .frames import ModuleInfo
+from .judging import Judging
 from .options import check_options
-from .recording import Recording, _graph_task, _is_compiling
-from .report import FirstNonFinite, NonFiniteReport, build_report, find_first_bad
+from .recording import Recording
+from .report import NonFiniteReport, build_report
 from .scalers import LossScaler, OverflowEvent
-from .slots import output_slots
-from .stats import all_finite, finite_flags_of, fused_check_works
+from .stats import all_finite, fused_check_works
 from .step import StepRecord
 from .trace import TraceWriter
-from .verdict import NO_BAD, first_bad_code, origin_ranks, share_verdict
+from .verdict import share_verdict
 
 log = logging.getLogger("torchdoctor.numerics")
 
@@ -85,7 +83,7 @@ def _dist_rank_world() -> tuple[int | None, int]:
     return None, 1
 
 
-class NumericsMonitor(Recording):
+class NumericsMonitor(Recording, Judging):
     """Watch a model for inf/nan in weights, activations and gradients; explain the first one.
 
     Args:
@@ -311,47 +309,6 @@ class NumericsMonitor(Recording):
         """Is the step checked before the update (in front of the optimizer's step)?"""
         return self.optimizer is not None and not self._manual
 
-    # ------------------------------------------------------------------ compiled regions' edges
-    def _region_enter(self, region: Region, module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
-        if _is_compiling() or not self._active or _graph_task() != -1:
-            return
-        if region.is_root:
-            self._on_root_pre_forward(module, args)
-        self._region_stack.append((region, self._regions.remember(region, args, kwargs or {})))
-
-    def _region_exit(self, region: Region, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if _is_compiling() or _graph_task() != -1:
-            return
-        call = self._region_stack.pop()[1] if self._region_stack and self._region_stack[-1][0] is region else None
-        if not self._active:
-            return
-        rec = self._rec
-        ran_eagerly = bool(rec.frames) and rec.frames[-1].info.module() is region.inner  # its own hooks ran
-        recordable = self._root_depth or region.is_root or torch.is_grad_enabled() or self._rerunning
-        if not ran_eagerly and recordable:
-            self._record_call(region.info, region.inner, args, kwargs, output)
-            if call is not None:
-                call.frame = rec.frames[-1]
-                rec.region_calls.append(call)
-                if self.grads == "modules" and torch.is_grad_enabled():
-                    for label, v in output_slots(output):
-                        if isinstance(v, torch.Tensor) and v.requires_grad:
-                            v.register_hook(functools.partial(_keep_grad, call, label))
-        if region.is_root and self._root_depth <= 1 and not self._rerunning:
-            self._root_done = True
-            self._on_root_forward_end()
-
-    def _region_always(self, region: Region, module: nn.Module, *_: Any) -> None:
-        if _is_compiling() or _graph_task() != -1:
-            return
-        if self._region_stack and self._region_stack[-1][0] is region:
-            self._region_stack.pop()  # the forward raised: its exit never ran
-        if region.is_root:
-            self._on_root_forward_always(module, None, None, None)
-
-    def _region_failed(self, region: Region) -> None:
-        self._region_always(region, region.outer)
-
     # ------------------------------------------------------------------ step boundaries
     def step(self) -> None:
         """End a training step by hand (when no optimizer was given): check it, then start the next."""
@@ -464,145 +421,6 @@ class NumericsMonitor(Recording):
                 f"torchdoctor: stopping after step {step} as asked (abort_after_step={self.abort_after_step})"
             )
 
-    # ------------------------------------------------------------------ reading back
-    def _frames_with_context(self) -> tuple[list[ResolvedFrame], int]:
-        """Earlier (already checked) steps as context, then the current step; and where it starts."""
-        context = self._resolved(list(self._history))
-        return context + self._resolved([self._rec]), len(context)
-
-    @staticmethod
-    def _resolved(records: list[StepRecord]) -> list[ResolvedFrame]:
-        out: list[ResolvedFrame] = []
-        for r in records:
-            out.extend(resolve(r.frames, r.buffer.read()))
-        return out
-
-    def _param_grad_frames(self, step: int) -> list[ResolvedFrame]:
-        """Parameter gradients, module by module in backward order (reverse of the forward)."""
-        order: dict[str, ModuleInfo] = {}
-        for f in self._rec.frames:
-            if f.phase == FWD and not f.info.boundary:
-                order.setdefault(f.info.name, f.info)
-        infos = list(order.values())[::-1] or list(self._infos.values())[::-1]
-        if len(order) < len(self._infos):  # compiled regions hide their modules' frames: add the others
-            infos += [i for i in list(self._infos.values())[::-1] if i.name not in order]
-        out = []
-        for info in infos:
-            module = info.module()
-            if module is None:
-                continue
-            lines = [
-                measure_now(f"grad:{n}", p.grad)
-                for n, p in module.named_parameters(recurse=False)
-                if p.requires_grad and p.grad is not None
-            ]
-            if lines:
-                out.append(ResolvedFrame(step, BWD, info.name, info.cls, lines))
-        return out
-
-    def _build_step_report(self, step: int, check_grads: bool) -> tuple[NonFiniteReport | None, int]:
-        """This rank's report of the current step, and the sortable code of where its first bad value is."""
-        if self._deferred_report is not None:
-            return self._deferred_report, first_bad_code(0, 0)
-        frames, start = self._frames_with_context()
-        # weights are measured now: without a hooked optimizer they may have changed since the forward
-        judge_params = self._optimizer_hooked() or self._hf
-        if check_grads and find_first_bad(frames, start, self._hf, judge_params) is None:
-            frames += self._param_grad_frames(step)
-        report = build_report(frames, self.max_frames, self.rank, start, self._hf, judge_params)
-        if report is not None and self._rec.region_calls:
-            report = localize(self, report, frames, start, judge_params)
-        if report is None:
-            return None, NO_BAD
-        phase = 1 if report.first is not None and report.first.phase == BWD else 0
-        return report, first_bad_code(phase, report.position)
-
-    def _handle_nonfinite(self, step: int, source: str, check_grads: bool) -> None:
-        report, code = self._build_step_report(step, check_grads)
-        origin = origin_ranks(code) if self._sync_ranks else []
-        me = self.rank
-        others = [r for r in origin if r != me]
-        unknown_gradient = report is None and not others
-        if unknown_gradient:  # only the gradients seen when a backward ended were bad, and they are gone
-            frames, start = self._frames_with_context()
-            report = NonFiniteReport(
-                step, None, frames[start:][-self.max_frames :],
-                "a parameter gradient was non-finite when the backward of this step ended, and the gradients "
-                "were gone (zero_grad) by the time the step was checked, so which one is unknown. Pass the "
-                "optimizer (NumericsMonitor(model, optimizer=opt)) so the step is checked before the update is "
-                "applied, or call mon.step() before optimizer.step(); grads='modules' names the module. Under "
-                "a loss scaler, pass it too (scaler=...): its overflows are then recorded, not raised.",
-                rank=self.rank,
-            )
-        elif report is None:  # only another rank saw a non-finite value
-            report = NonFiniteReport(step, None, [], "another rank found non-finite values", rank=self.rank)
-        if me not in origin and others:
-            report.bad_ranks = others
-            self._blame_other_ranks(report, others)
-        if self._deferred_report is not None:
-            self._raise(report)
-        only_backward = unknown_gradient or (report.first is not None and report.first.phase == BWD)
-        skipping = source in ("skipped", "scaler") or (source == "optimizer" and self._engine.skips_overflow)
-        if only_backward and skipping:
-            self._record_overflow(step, report)
-            return
-        if self.grads == "params" and only_backward:
-            report.notes.append(
-                "To see where the backward blow-up starts, run with NumericsMonitor(..., grads='modules')."
-            )
-        self._raise(report)
-
-    @staticmethod
-    def _blame_other_ranks(report: NonFiniteReport, others: list[int]) -> None:
-        """This rank's first non-finite value came later in the step than another rank's: it arrived
-        through a collective (DDP's / FSDP's gradient reduction, a tensor-parallel all-reduce)."""
-        first = report.first
-        if first is None:
-            return
-        if first.phase == BWD:
-            report.diagnosis = (
-                f"this rank's forward was finite; rank(s) {others} produced non-finite activations in "
-                "this step and their gradients reached this rank through the gradient reduction (DDP's "
-                "all-reduce, FSDP's reduce-scatter). "
-                f"See the report of rank {others[0]}."
-            )
-        else:
-            report.diagnosis = (
-                f"this rank's values were finite until {first.module} ({first.cls}) {first.slot}; rank(s) "
-                f"{others} went non-finite earlier in this step, and the value reached this rank through a "
-                f"collective inside the forward (tensor parallel). See the report of rank {others[0]}."
-            )
-        report.fix = report.fp32_region = None
-
-    def _record_overflow(self, step: int, report: NonFiniteReport) -> None:
-        scale = self._scaler.scale() if self._scaler is not None else None
-        first = report.first
-        event = OverflowEvent(step, scale, first.module if first else None, first.slot if first else None)
-        self.overflows.append(event)
-        self._consecutive_overflows += 1
-        where = f" starting in {event.module} ({event.slot})" if event.module else ""
-        log.info("gradient overflow at step %d (loss scale %s)%s: step skipped", step, scale, where)
-        if self.grads == "params" and self.auto_localize:
-            self.grads = "modules"
-            log.info("switching to grads='modules' to localize the next gradient overflow")
-        collapsed = self._scaler is not None and self._scaler.collapsed(scale, self.min_loss_scale)
-        if collapsed or self._consecutive_overflows >= self.max_consecutive_overflows:
-            floor = self._scaler.floor if self._scaler is not None else None
-            why = (
-                f"the loss scale collapsed to {scale:g} ("
-                + (f"DeepSpeed's minimum, min_loss_scale={floor:g}" if floor is not None and scale <= floor
-                   else f"< {self.min_loss_scale:g}") + ")"
-                if collapsed
-                else f"{self._consecutive_overflows} steps in a row overflowed"
-            )
-            report.diagnosis = (
-                f"{why}: the gradients overflow at every scale, so this is not a transient spike. "
-                + report.diagnosis
-            )
-            deepspeed = self._scaler is not None and self._scaler.deepspeed
-            report.fix = fp16_collapse_fix(deepspeed, report.fp32_region)
-            self._raise(report)
-
     def _release_modules(self) -> None:
         for module in list(_WATCHED.keys()):
             if _WATCHED.get(module) is self:
@@ -678,29 +496,4 @@ class NumericsMonitor(Recording):
                 return
             self._raise(report)
 
-    def _check_weights_once(self) -> None:
-        """At attach time: a weight that is already non-finite is named at once (one sync, once)."""
-        named = [(self._engine.clean(n), p) for n, p in self.model.named_parameters()]
-        flag = all_finite(finite_flags_of([p for _, p in named]))
-        if flag is None or bool(flag.item()):
-            return
-        for name, p in named:
-            line = measure_now(name.rsplit(".", 1)[-1], p, param=True)
-            if line.abs_max is not None and not math.isfinite(line.abs_max):
-                module_name = name.rpartition(".")[0]
-                cls = next((i.cls for i in self._infos.values() if i.name == module_name), "?")
-                value = "nan" if math.isnan(line.abs_max) else "inf"
-                first = FirstNonFinite(0, FWD, module_name, cls, line.label, value)
-                self._raise(
-                    NonFiniteReport(
-                        0, first, [],
-                        f"parameter {name} of the model is already non-finite before training ({value}): check "
-                        "the checkpoint or the initialisation",
-                        rank=self.rank,
-                    )
-                )
 
-
-def _keep_grad(call: Any, label: str, grad: torch.Tensor) -> None:
-    """A compiled region's output gradient, kept for a backward re-run (grads='modules' only)."""
-    call.output_grads[label] = grad

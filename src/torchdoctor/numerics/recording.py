@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .compiled import Region
 from .frames import BWD, FWD, MARK, Frame, ModuleInfo, Slot, measure
 from .slots import input_slots, output_slots
 from .stats import finite_flags_of
@@ -231,6 +232,47 @@ class Recording:
                 )
             )
 
+    # ------------------------------------------------------------------ compiled regions' edges
+    def _region_enter(self, region: Region, module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
+        if _is_compiling() or not self._active or _graph_task() != -1:
+            return
+        if region.is_root:
+            self._on_root_pre_forward(module, args)
+        self._region_stack.append((region, self._regions.remember(region, args, kwargs or {})))
+
+    def _region_exit(self, region: Region, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if _is_compiling() or _graph_task() != -1:
+            return
+        call = self._region_stack.pop()[1] if self._region_stack and self._region_stack[-1][0] is region else None
+        if not self._active:
+            return
+        rec = self._rec
+        ran_eagerly = bool(rec.frames) and rec.frames[-1].info.module() is region.inner  # its own hooks ran
+        recordable = self._root_depth or region.is_root or torch.is_grad_enabled() or self._rerunning
+        if not ran_eagerly and recordable:
+            self._record_call(region.info, region.inner, args, kwargs, output)
+            if call is not None:
+                call.frame = rec.frames[-1]
+                rec.region_calls.append(call)
+                if self.grads == "modules" and torch.is_grad_enabled():
+                    for label, v in output_slots(output):
+                        if isinstance(v, torch.Tensor) and v.requires_grad:
+                            v.register_hook(functools.partial(_keep_grad, call, label))
+        if region.is_root and self._root_depth <= 1 and not self._rerunning:
+            self._root_done = True
+            self._on_root_forward_end()
+
+    def _region_always(self, region: Region, module: nn.Module, *_: Any) -> None:
+        if _is_compiling() or _graph_task() != -1:
+            return
+        if self._region_stack and self._region_stack[-1][0] is region:
+            self._region_stack.pop()  # the forward raised: its exit never ran
+        if region.is_root:
+            self._on_root_forward_always(module, None, None, None)
+
+    def _region_failed(self, region: Region) -> None:
+        self._region_always(region, region.outer)
+
     # ------------------------------------------------------------------ marks
     def mark(self, tensor: torch.Tensor, ctx: str) -> None:
         """Add a frame for an intermediate value, in execution order, without a host sync."""
@@ -245,3 +287,8 @@ class Recording:
         rec.frames.append(
             Frame(self.step_index, MARK, info, [rec.slot("value", tensor)], first_of_step=not rec.frames)
         )
+
+
+def _keep_grad(call: Any, label: str, grad: torch.Tensor) -> None:
+    """A compiled region's output gradient, kept for a backward re-run (grads='modules' only)."""
+    call.output_grads[label] = grad
