@@ -758,3 +758,18 @@ def test_one_host_sync_per_step_without_the_optimizer_too(grads):
         with SyncCounter() as c:
             step_then_check()
     assert c.count - bare <= 1
+
+
+def test_huge_finite_gradients_whose_sum_overflows_are_not_called_non_finite():
+    model = torch.nn.Linear(64, 64, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with NumericsMonitor(model, optimizer=opt) as mon:
+        model(torch.ones(2, 64)).sum().backward()
+        model.weight.grad.fill_(3e38)  # finite, but the fast check's sum overflows: the exact one decides
+        opt.step()
+        assert mon.step_index == 1 and mon.report is None
+        model(torch.ones(2, 64)).sum().backward()
+        model.weight.grad[3, 3] = float("inf")
+        with pytest.raises(NonFiniteError) as exc:
+            opt.step()
+    assert exc.value.first.slot == "grad:weight"

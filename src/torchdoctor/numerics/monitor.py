@@ -362,13 +362,10 @@ class NumericsMonitor(Recording, Judging):
         if self._deferred_report is not None:
             act_ok = torch.zeros((), dtype=torch.bool)
         check_grads = self.grads != "none" and (source != "forward" or rec.backward_ran)
-        grad_flags = self._engine.grad_flags(self._params) if check_grads else []
-        grad_ok = all_finite(grad_flags + rec.stored_grad_flags())
-        if self._sync_ranks:
-            ok, _ = share_verdict(act_ok, grad_ok)
-        else:
-            both = all_finite([f for f in (act_ok, grad_ok) if f is not None])
-            ok = True if both is None else bool(both.item())  # THE host sync of this step
+        grad_flags = self._engine.grad_flags(self._params, exact=False) if check_grads else []
+        ok = self._verdict(act_ok, all_finite(grad_flags + rec.stored_grad_flags()))
+        if not ok and check_grads:  # the fast gradient check can overflow on huge finite values: ask exactly
+            ok = self._verdict(act_ok, all_finite(self._engine.grad_flags(self._params) + rec.stored_grad_flags()))
         step = self.step_index
         if step in self.trace_steps:
             self._trace(step)
@@ -379,6 +376,13 @@ class NumericsMonitor(Recording, Judging):
         self._rotate()
         if abort_check and source != "skipped":
             self._check_abort_after(step)
+
+    def _verdict(self, act_ok: torch.Tensor | None, grad_ok: torch.Tensor | None) -> bool:
+        """Is everything finite (on every rank)? The one host read of a healthy step."""
+        if self._sync_ranks:
+            return share_verdict(act_ok, grad_ok)[0]
+        both = all_finite([f for f in (act_ok, grad_ok) if f is not None])
+        return True if both is None else bool(both.item())
 
     def _forward_unseen(self) -> None:
         """The optimizer steps, yet no forward was recorded: was the model compiled after we attached?

@@ -113,9 +113,10 @@ class Engine:
     def attach_grad_watch(self, mon: NumericsMonitor) -> None:
         """Engines whose gradients are gone before the step check them as they arrive (none here)."""
 
-    def grad_flags(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        """On-device "finite" flags of the gradients the optimizer is about to apply (this rank's part)."""
-        return finite_flags_of([p.grad for p in params if p.grad is not None])
+    def grad_flags(self, params: list[nn.Parameter], exact: bool = True) -> list[torch.Tensor]:
+        """On-device "finite" flags of the gradients the optimizer is about to apply (this rank's part);
+        ``exact=False``: the fast check of :func:`~..stats.finite_flags_of`, confirmed when it says no."""
+        return finite_flags_of([p.grad for p in params if p.grad is not None], exact=exact)
 
     def new_step(self) -> None:
         """A step starts (engines that collect per-step state reset it here)."""

@@ -114,7 +114,7 @@ class DeepSpeedEngine(Engine):
         if self._scaler_given and self.scaler is not None:  # a scaler passed by hand is hooked as usual
             mon.wrap(self.scaler.obj, self.scaler.hook_name, before=mon.on_scaler_update)
 
-    def grad_flags(self, params: list[nn.Parameter]) -> list:
+    def grad_flags(self, params: list[nn.Parameter], exact: bool = True) -> list:
         return []  # each gradient is checked as its parameter receives it (attach_grad_watch)
 
     def attach_grad_watch(self, mon: NumericsMonitor) -> None:
