@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check, one call of the device tool (see benchmarks/README.md):
+# Everything that needs a GPU, as one short run on a machine with one (see benchmarks/README.md):
 #   1. the numerics monitor under CUDA (benchmarks/gpu_check.py: host waits, statistic costs, overhead);
 #   2. torchdoctor comm under NCCL on the one GPU: a single rank (checks + bandwidth sweep), two ranks
 #      forced onto one GPU (NCCL refuses: the verdict must name the shared GPU, not hang), gloo beside it.

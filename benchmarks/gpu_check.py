@@ -1,4 +1,4 @@
-"""The device check for a session that is lent a GPU: host syncs and overhead of the monitor under CUDA.
+"""The check to run on a machine with a GPU: host syncs and overhead of the monitor under CUDA.
 
 On CPU the sync budget is counted with a dispatch mode (``torchdoctor.syncs.SyncCounter``); on CUDA the
 real question is how often the host *waits*. This script answers it with

@@ -19,29 +19,9 @@ import traceback
 import torch
 from torch import nn
 
+from conftest import Boom  # identity forward, a gradient times 1e39 (inf) in the backward when enabled
 from torchdoctor import NonFiniteError, NumericsMonitor
 from torchdoctor.syncs import SyncCounter
-
-
-class GradBoom(torch.autograd.Function):
-    """Identity in the forward; multiplies the gradient by 1e30 in the backward (inf after the squares)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 1e30 * 1e30
-
-
-class Boom(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.on = False
-
-    def forward(self, x):
-        return GradBoom.apply(x) if self.on else x
 
 
 class Net(nn.Module):
@@ -50,6 +30,7 @@ class Net(nn.Module):
         self.inp = nn.Linear(8, 16)
         self.act = nn.GELU()
         self.boom = Boom()
+        self.boom.enabled = False
         self.hidden = nn.Linear(16, 16)
         self.out = nn.Linear(16, 4)
 
@@ -135,14 +116,14 @@ def detect(engine, grads: str, kind: str, out_dir: str, tag: str) -> dict:
         x = batch(engine, 1)
         if rank == bad_rank and kind == "forward":
             x[0, 3] = float("inf")
-        engine.module.boom.on = rank == bad_rank and kind == "backward"
+        engine.module.boom.enabled = rank == bad_rank and kind == "backward"
         try:
             train_step(engine, x)
             result["error"] = None
         except NonFiniteError as e:
             result["error"] = error_json(e)
         finally:
-            engine.module.boom.on = False
+            engine.module.boom.enabled = False
         result["identical"] = identical(before, snapshot(engine))
         result["optimizer_stepped"] = engine.global_steps != steps_before
         result["steps"] = mon.step_index
@@ -186,17 +167,17 @@ def run_scaler_case(out_dir: str) -> dict:
     out: dict = {}
     with NumericsMonitor(engine, report_dir=os.path.join(out_dir, "scaler")) as mon:
         train_step(engine, batch(engine, 0))
-        engine.module.boom.on = True  # two overflowing steps: DeepSpeed skips them, the monitor records them
+        engine.module.boom.enabled = True  # two overflowing steps: DeepSpeed skips them, the monitor records them
         before = snapshot(engine)
         for step in (1, 2):
             train_step(engine, batch(engine, step))
         out["skipped_identical"] = identical(before, snapshot(engine))
         out["overflows"] = [(o.step, o.scale, o.module, o.slot) for o in mon.overflows]
         out["scale_after"] = engine.optimizer.loss_scaler.cur_scale
-        engine.module.boom.on = False
+        engine.module.boom.enabled = False
         train_step(engine, batch(engine, 3))
         out["recovered_step_applied"] = not identical(before, snapshot(engine))
-        engine.module.boom.on = True  # now every step overflows: the scale falls to its floor
+        engine.module.boom.enabled = True  # now every step overflows: the scale falls to its floor
         try:
             for step in range(4, 20):
                 train_step(engine, batch(engine, step))
@@ -222,7 +203,7 @@ def run_standalone_scaler(out_dir: str) -> dict:
                                consecutive_hysteresis=False)
     out: dict = {}
     with NumericsMonitor(model, optimizer=opt, scaler=scaler, report_dir=os.path.join(out_dir, "standalone")) as mon:
-        model.boom.on = True
+        model.boom.enabled = True
         try:
             for _ in range(10):
                 loss = model(torch.randn(4, 8)).pow(2).mean()

@@ -12,23 +12,12 @@ import torch
 from torch import nn
 from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
 
-from conftest import GradBoom
+from conftest import Boom
 from torchdoctor import NonFiniteError, NumericsMonitor
 from torchdoctor.numerics.engines import MonitorWarning
 
 LEVELS = ("none", "params", "modules")
 MODES = ("torch.compile", "model.compile", "per-layer")
-
-
-class Boom(nn.Module):
-    """Identity forward; a gradient times 1e39 in the backward when on (inf in fp32)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.on = False
-
-    def forward(self, x):
-        return GradBoom.apply(x) if self.on else x
 
 
 class MLP(nn.Module):
@@ -38,6 +27,7 @@ class MLP(nn.Module):
         for _ in range(3):
             layers += [nn.Linear(32, 32), nn.GELU()]
         self.body = nn.Sequential(*layers[:3], Boom(), *layers[3:], nn.Linear(32, 4))
+        self.body[3].enabled = False
 
     def forward(self, x):
         return self.body(x)
@@ -82,7 +72,7 @@ def train(mode: str, grads: str | None, steps: int = 5, bad: str | None = None, 
             if step == steps - 1 and bad == "forward":
                 with torch.no_grad():
                     inner(model.body[5]).weight.fill_(3e38)
-            model.body[3].on = step == steps - 1 and bad == "backward"
+            model.body[3].enabled = step == steps - 1 and bad == "backward"
             call(torch.randn(8, 32, generator=g)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()

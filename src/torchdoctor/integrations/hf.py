@@ -8,7 +8,10 @@ Example::
 
 The Trainer hands callbacks accelerate's ``AcceleratedOptimizer``; the monitor hooks the torch
 optimizer inside it (``.optimizer``) and, under ``fp16=True``, the ``GradScaler`` accelerate uses
-(``.scaler``), so the scaler's overflow steps are recorded, not raised. Reports go to
+(``.scaler``), so the scaler's overflow steps are recorded, not raised. With a DeepSpeed config
+(``TrainingArguments(deepspeed=...)``) it gets accelerate's ``DeepSpeedOptimizerWrapper``, whose
+``.optimizer`` is DeepSpeed's ZeRO optimizer: the DeepSpeed engine adapter wraps its ``step`` (which the
+Trainer reaches inside ``accelerator.backward``) and reads its loss scaler. Reports go to
 ``args.output_dir`` unless ``report_dir`` is given.
 """
 
