@@ -38,10 +38,10 @@ class Net(nn.Module):
         return self.out(self.hidden(self.boom(self.act(self.inp(x)))))
 
 
-def ds_config(stage: int, bf16: bool) -> dict:
+def ds_config(stage: int, bf16: bool, gas: int = 1) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "bf16": {"enabled": bf16},
@@ -50,13 +50,13 @@ def ds_config(stage: int, bf16: bool) -> dict:
     }
 
 
-def make_engine(stage: int, bf16: bool):
+def make_engine(stage: int, bf16: bool, gas: int = 1):
     import deepspeed
 
     torch.manual_seed(0)
     model = Net()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config(stage, bf16))
+                                           config=ds_config(stage, bf16, gas))
     return engine
 
 
@@ -157,17 +157,22 @@ def run_engine_case(case: str, out_dir: str) -> dict:
     return out
 
 
-def run_scaler_case(out_dir: str) -> dict:
-    """DeepSpeed's real DynamicLossScaler inside a real ZeRO-2 optimizer: its own skip, our records."""
+def run_scaler_case(out_dir: str, passed: bool) -> dict:
+    """DeepSpeed's real DynamicLossScaler inside a real ZeRO-2 optimizer: its own skip, our records. The
+    gradients overflow on the last rank only (DeepSpeed's overflow check is shared: every rank skips).
+    ``passed``: the engine's own scaler is also given as ``scaler=`` (it must not change anything)."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
     engine = make_engine(2, True)
     engine.optimizer.loss_scaler = DynamicLossScaler(init_scale=2.0**4, scale_window=1000, min_scale=1.0,
                                                      delayed_shift=1, consecutive_hysteresis=False)
+    rank, world = rank_world()
+    boom = rank == world - 1
     out: dict = {}
-    with NumericsMonitor(engine, report_dir=os.path.join(out_dir, "scaler")) as mon:
+    scaler = engine.optimizer.loss_scaler if passed else None
+    with NumericsMonitor(engine, scaler=scaler, report_dir=os.path.join(out_dir, "scaler")) as mon:
         train_step(engine, batch(engine, 0))
-        engine.module.boom.enabled = True  # two overflowing steps: DeepSpeed skips them, the monitor records them
+        engine.module.boom.enabled = boom  # two overflowing steps: DeepSpeed skips them, the monitor records them
         before = snapshot(engine)
         for step in (1, 2):
             train_step(engine, batch(engine, step))
@@ -177,7 +182,7 @@ def run_scaler_case(out_dir: str) -> dict:
         engine.module.boom.enabled = False
         train_step(engine, batch(engine, 3))
         out["recovered_step_applied"] = not identical(before, snapshot(engine))
-        engine.module.boom.enabled = True  # now every step overflows: the scale falls to its floor
+        engine.module.boom.enabled = boom  # now every step overflows: the scale falls to its floor
         try:
             for step in range(4, 20):
                 train_step(engine, batch(engine, step))
@@ -188,6 +193,29 @@ def run_scaler_case(out_dir: str) -> dict:
             out["error"] = {"other": f"{type(e).__name__}: {e}"}
         out["final_scale"] = engine.optimizer.loss_scaler.cur_scale
         out["overflow_scales"] = [o.scale for o in mon.overflows]
+    return out
+
+
+def run_accumulation(out_dir: str) -> dict:
+    """ZeRO-2 bf16 with gradient_accumulation_steps=2: steps are DeepSpeed's real ones (p.grad is gone after
+    every micro-step, which is no sign of a skipped step), and a bad micro-step is stopped before the update."""
+    engine = make_engine(2, True, gas=2)
+    out: dict = {}
+    with NumericsMonitor(engine, report_dir=os.path.join(out_dir, "accumulation")) as mon:
+        for micro in range(4):
+            train_step(engine, batch(engine, micro))
+        out["clean"] = (mon.step_index, engine.global_steps, len(mon.overflows))
+        before = snapshot(engine)
+        try:
+            train_step(engine, batch(engine, 4))
+            x = batch(engine, 5)
+            x[0, 0] = float("inf")
+            train_step(engine, x)
+            out["error"] = None
+        except NonFiniteError as e:
+            out["error"] = error_json(e)
+        out["identical"] = identical(before, snapshot(engine))
+        out["overflows"] = len(mon.overflows)
     return out
 
 
@@ -288,8 +316,10 @@ def main(out_dir: str, cases: list[str]) -> None:
     rank, _ = rank_world()
     for case in cases:
         try:
-            if case == "scaler":
-                result = run_scaler_case(out_dir)
+            if case in ("scaler", "scaler-passed"):
+                result = run_scaler_case(out_dir, passed=case == "scaler-passed")
+            elif case == "accumulation":
+                result = run_accumulation(out_dir)
             elif case == "standalone-scaler":
                 result = run_standalone_scaler(out_dir)
             elif case == "hf":

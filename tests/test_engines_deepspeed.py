@@ -67,7 +67,7 @@ def _load(out: Path, cases: list[str], ranks: tuple[int, ...]) -> dict:
 @pytest.fixture(scope="module")
 def one_rank(deepspeed_built, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ds1")
-    cases = [*ENGINE_CASES, "scaler", "standalone-scaler", "hf"]
+    cases = [*ENGINE_CASES, "scaler", "scaler-passed", "accumulation", "standalone-scaler", "hf"]
     proc = subprocess.run([sys.executable, str(HERE / "ds_worker.py"), str(out), *cases], env=_single(_free_port()),
                           capture_output=True, text=True, timeout=600, cwd=out)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -77,7 +77,7 @@ def one_rank(deepspeed_built, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def two_ranks(deepspeed_built, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ds2")
-    cases = ["z2-fp32", "z2-bf16", "z3-fp32", "z3-bf16"]
+    cases = ["z2-fp32", "z2-bf16", "z3-fp32", "z3-bf16", "scaler"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(HERE / "ds_worker.py"), str(out), *cases]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600, cwd=out)
@@ -136,8 +136,9 @@ def test_two_ranks_stop_together_and_the_bad_rank_is_named(two_ranks, case):
     assert good["extra_syncs"] <= 1 and bad["extra_syncs"] <= 1
 
 
-def test_deepspeeds_dynamic_loss_scaler_skips_are_recorded_until_the_scale_collapses(one_rank):
-    r = one_rank[("scaler", 0)]
+@pytest.mark.parametrize("case", ["scaler", "scaler-passed"])
+def test_deepspeeds_dynamic_loss_scaler_skips_are_recorded_until_the_scale_collapses(one_rank, case):
+    r = one_rank[(case, 0)]
     # two overflowing steps: DeepSpeed skipped them (nothing changed), the monitor recorded them with the scale
     assert [(o[0], o[1]) for o in r["overflows"]] == [(1, 16.0), (2, 8.0)]
     assert r["skipped_identical"] and r["recovered_step_applied"] and r["scale_after"] == 4.0
@@ -162,3 +163,19 @@ def test_hf_trainer_with_a_deepspeed_config(one_rank):
     first = r["error"]["first"]
     assert (first["module"], first["value"], first["step"]) == ("transformer.ln_f", "nan", 0)
     assert r["identical"]  # stopped before DeepSpeed applied the step
+
+
+def test_an_overflow_on_one_rank_is_skipped_and_recorded_by_both(two_ranks):
+    bad, good = two_ranks[("scaler", 1)], two_ranks[("scaler", 0)]
+    for r in (bad, good):
+        assert [(o[0], o[1]) for o in r["overflows"]] == [(1, 16.0), (2, 8.0)]
+        assert r["skipped_identical"] and r["recovered_step_applied"]
+        assert r["overflow_scales"] == [16.0, 8.0, 4.0, 2.0, 1.0] and "other" not in r["error"]
+    assert bad["error"]["first"]["module"] == "boom" and good["error"]["bad_ranks"] == [1]
+
+
+def test_gradient_accumulation_counts_deepspeeds_steps(one_rank):
+    r = one_rank[("accumulation", 0)]
+    assert r["clean"] == [2, 2, 0]  # 4 micro-steps = 2 steps, none taken for a skipped one
+    assert r["error"]["first"]["module"] == "inp" and r["error"]["first"]["phase"] == "fwd"
+    assert r["identical"] and r["overflows"] == 0

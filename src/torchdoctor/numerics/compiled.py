@@ -10,35 +10,41 @@ still sees of a compiled region is its edge, where Python runs eagerly:
 
 At the edge, each call of a region records one *boundary* frame (its inputs as context, its outputs
 judged), plus, at ``grads="modules"``, the gradients at its outputs; the parameter gradients are
-checked at the step's end as for any model. The inputs of each region call and the RNG state at its
-start are kept (references, not copies) until the step is checked.
+checked at the step's end as for any model. Of each call of the *model* (each micro-batch) the monitor
+keeps its inputs (references: the batch), the RNG state at its start and, at ``grads="modules"``, the
+gradient its output received (the loss's alone when the model returns one), until the step is checked.
 
-When the first non-finite value of a step is at a region's edge, the monitor re-runs that call
-eagerly on the kept inputs, with the RNG state restored, floating-point buffers (BatchNorm running
-statistics) saved and put back, under ``no_grad`` for a forward blow-up or with ``autograd.grad`` from
-the kept output gradients for a backward one (so no ``.grad`` changes): the monitor's hooks run there
-and name the module inside. The compiled graph is not touched (hooks added for a re-run and removed
-are not guarded on). The re-run is eager, not the compiled kernels: inductor's fused code can round
-differently near a dtype's limit and draws other dropout masks, so the report says whether the
-re-run reproduced the non-finite value. Regions whose forward makes collectives (FSDP, ZeRO-3) are
-not re-run on several ranks: a lone rank re-running them would wait for the others forever.
+When the first non-finite value of a step is at a region's edge, in a gradient made by a compiled
+region's backward, or in a parameter gradient, the monitor re-runs that micro-batch's forward eagerly
+(``torch.compiler.set_stance("force_eager")``: every compiled region runs as plain Python), on the kept
+inputs, with the RNG state restored and every buffer (BatchNorm statistics) saved and put back; under
+``no_grad`` for a forward blow-up, or followed by ``autograd.grad`` from the kept output gradient for a
+backward one (no ``.grad`` changes). The monitor's hooks run there and name the module inside. The
+compiled graphs are not touched. The re-run is eager, not inductor's kernels (fused code rounds
+differently near a dtype's limit and draws other dropout masks), so the report says whether it
+reproduced the value. A re-run must never make a collective: one rank re-running alone would wait for
+the others forever. Sharded models (FSDP, ZeRO-3, DTensor) are not re-run with several ranks, and any
+other collective (an MoE router's all-reduce, SyncBatchNorm) stops the re-run before it is issued.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .frames import BWD, ModuleInfo, ResolvedFrame
 from .report import NonFiniteReport, backward_consumer, build_report
 from .slots import output_slots
 from .step import StepRecord
-from .wrappers import clean_name, is_wrapper, unwrap_model, user_class_name
+from .wrappers import clean_name, is_wrapper, named_user_modules, unwrap_model, user_class_name
 
 if TYPE_CHECKING:
     from .monitor import NumericsMonitor
@@ -49,7 +55,7 @@ class Region:
     """One compiled region: the module the caller calls, and the module that runs eagerly inside."""
 
     outer: nn.Module  # an OptimizedModule, or a module whose _compiled_call_impl is set
-    inner: nn.Module  # what a re-run calls eagerly (wrappers such as DDP looked through)
+    inner: nn.Module  # the user's module inside (wrappers such as DDP looked through)
     info: ModuleInfo  # its boundary frames
     compiled_call: Any = None  # the original _compiled_call_impl (module.compile()), restored on close
 
@@ -57,23 +63,16 @@ class Region:
     def is_root(self) -> bool:
         return self.info.is_root
 
-    def eager_call(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the region once without compiling (its own hooks, and the monitor's, do run)."""
-        if self.compiled_call is not None:
-            return self.inner._call_impl(*args, **kwargs)
-        return self.inner(*args, **kwargs)
-
 
 @dataclass(eq=False)
-class RegionCall:
-    """One call of a region during the step: what a re-run needs."""
+class RootCall:
+    """One call of the model (a micro-batch) in a step with compiled regions: what a re-run needs."""
 
-    region: Region
     args: tuple
     kwargs: dict
     cpu_rng: torch.Tensor
     cuda_rng: tuple[int, torch.Tensor] | None
-    frame: Any = None  # its boundary frame, once recorded
+    start: int  # index in the step's frames where this call's frames begin
     output_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # grads="modules": by output label
 
 
@@ -83,27 +82,29 @@ def _has_compiled_call(module: nn.Module) -> bool:
 
 def find_regions(model: nn.Module, root: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
     """(user name, outer, inner) of every compiled region in ``model``, outermost first."""
+    names = {id(m): name for name, m in named_user_modules(root)}
     found = []
     for name, module in model.named_modules():
         if type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module):
-            found.append((clean_name(name), module, unwrap_model(module._orig_mod)))
+            inner = unwrap_model(module._orig_mod)
         elif _has_compiled_call(module) and not is_wrapper(module):
-            found.append((clean_name(name), module, module))
+            inner = module
+        else:
+            continue
+        found.append((names.get(id(inner), clean_name(name)), module, inner))
     return found
 
 
 def _sharded(module: nn.Module) -> bool:
-    """Does this module's forward make collectives (FSDP unshards, ZeRO-3 gathers)?"""
+    """Does this module's forward make collectives by design (FSDP unshards, ZeRO-3 gathers)?"""
     for m in module.modules():
-        if type(m).__name__ == "FullyShardedDataParallel" or any(
-            c.__name__ == "FSDPModule" for c in type(m).__mro__
-        ):
+        if type(m).__name__ == "FullyShardedDataParallel" or any(c.__name__ == "FSDPModule" for c in type(m).__mro__):
             return True
     return any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in module.parameters())
 
 
 class Regions:
-    """The compiled regions of one monitored model and their calls in the current step."""
+    """The compiled regions of one monitored model."""
 
     def __init__(self, mon: NumericsMonitor, model: nn.Module, root: nn.Module) -> None:
         self._mon = weakref.ref(mon)
@@ -119,7 +120,6 @@ class Regions:
     def __bool__(self) -> bool:
         return bool(self.regions)
 
-    # ------------------------------------------------------------------ installing the edges
     def install(self, mon: NumericsMonitor) -> None:
         for region in self.regions:
             if type(region.outer).__name__ == "OptimizedModule":
@@ -140,21 +140,26 @@ class Regions:
                     region.outer._compiled_call_impl = region.compiled_call
                 region.compiled_call = None
 
-    # ------------------------------------------------------------------ calls kept for a re-run
-    @staticmethod
-    def remember(region: Region, args: tuple, kwargs: dict) -> RegionCall:
-        cuda = None
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if first is not None and first.is_cuda:
-            cuda = (first.device.index, torch.cuda.get_rng_state(first.device))
-        return RegionCall(region, args, dict(kwargs or {}), torch.get_rng_state(), cuda)
 
-    def rerun_blocked(self, region: Region, world: int) -> str | None:
-        """Why a re-run of ``region`` must not happen here, or None."""
-        if world > 1 and _sharded(region.inner):
-            return (f"{region.info.name or 'the model'} is sharded (FSDP / ZeRO-3): its eager re-run would make "
-                    "collectives on this rank alone, so it is not re-run")
-        return None
+def root_call(args: tuple, kwargs: dict | None, start: int) -> RootCall:
+    cuda = None
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is not None and first.is_cuda:
+        cuda = (first.device.index, torch.cuda.get_rng_state(first.device))
+    return RootCall(args, dict(kwargs or {}), torch.get_rng_state(), cuda, start)
+
+
+def keep_output_grads(call: RootCall, output: Any) -> None:
+    """At ``grads="modules"``: keep the gradient the model's output receives, for a backward re-run. A
+    0-d output (the loss the model computed) is enough and small; otherwise every differentiable one."""
+    outs = [(label, v) for label, v in output_slots(output) if isinstance(v, torch.Tensor) and v.requires_grad]
+    losses = [(label, v) for label, v in outs if v.dim() == 0]
+    for label, v in losses or outs:
+        v.register_hook(functools.partial(_keep_grad, call, label))
+
+
+def _keep_grad(call: RootCall, label: str, grad: torch.Tensor) -> None:
+    call.output_grads[label] = grad
 
 
 def _edge_call(mon: NumericsMonitor, region: Region) -> Any:
@@ -166,44 +171,60 @@ def _edge_call(mon: NumericsMonitor, region: Region) -> Any:
         try:
             out = compiled(*args, **kwargs)
         except BaseException:
-            mon._region_failed(region)
+            mon._region_always(region, region.outer)
             raise
         mon._region_exit(region, region.outer, args, kwargs, out)
+        mon._region_always(region, region.outer)
         return out
 
     region_call._torchdoctor_region = region  # type: ignore[attr-defined]
     return region_call
 
 
-def rerun(mon: NumericsMonitor, call: RegionCall, backward: bool) -> None:
-    """Re-run one region call eagerly into the monitor's current (fresh) record; state is put back."""
-    region = call.region
-    module = region.inner
-    buffers = [(b, b.detach().clone()) for b in module.buffers() if b.is_floating_point()]
+class CollectiveInRerun(RuntimeError):
+    """A re-run tried to communicate with other ranks (it is stopped before the collective is issued)."""
+
+
+class _NoCollectives(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+            raise CollectiveInRerun(f"{func} is a collective")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _eager_everywhere() -> Iterator[None]:
+    stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    with stance("force_eager") if stance is not None else contextlib.nullcontext():
+        yield
+
+
+def rerun(mon: NumericsMonitor, call: RootCall, backward: bool) -> None:
+    """Re-run one micro-batch of the model eagerly into the monitor's current (fresh) record; state is put back."""
+    model = mon.model
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     cpu_now = torch.get_rng_state()
     cuda_now = torch.cuda.get_rng_state(call.cuda_rng[0]) if call.cuda_rng is not None else None
     torch.set_rng_state(call.cpu_rng)
     if call.cuda_rng is not None:
         torch.cuda.set_rng_state(call.cuda_rng[1], call.cuda_rng[0])
     try:
-        if not backward:
-            with torch.no_grad():
-                region.eager_call(*call.args, **call.kwargs)
-            return
-        args = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-                     for a in call.args)
-        with torch.enable_grad():
-            out = region.eager_call(*args, **call.kwargs)
-        outs, grads = [], []
-        for label, v in output_slots(out):
-            g = call.output_grads.get(label)
-            if g is not None and isinstance(v, torch.Tensor) and v.requires_grad:
-                outs.append(v)
-                grads.append(g)
-        inputs = [p for p in module.parameters() if p.requires_grad]
-        inputs += [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        if outs and inputs:
-            torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+        with _eager_everywhere(), _NoCollectives():
+            if not backward:
+                with torch.no_grad():
+                    model._call_impl(*call.args, **call.kwargs)
+                return
+            with torch.enable_grad():
+                out = model._call_impl(*call.args, **call.kwargs)
+            outs, grads = [], []
+            for label, v in output_slots(out):
+                g = call.output_grads.get(label)
+                if g is not None and isinstance(v, torch.Tensor) and v.requires_grad:
+                    outs.append(v)
+                    grads.append(g)
+            params = [p for p in model.parameters() if p.requires_grad]
+            if outs and params:
+                torch.autograd.grad(outs, params, grads, allow_unused=True)
     finally:
         with torch.no_grad():
             for b, saved in buffers:
@@ -213,71 +234,64 @@ def rerun(mon: NumericsMonitor, call: RegionCall, backward: bool) -> None:
             torch.cuda.set_rng_state(cuda_now, call.cuda_rng[0])
 
 
-def _call_for(rec: StepRecord, frames: list[ResolvedFrame], start: int, index: int,
-              backward: bool) -> RegionCall | None:
-    """The region call to re-run for the first bad frame ``frames[index]``.
-
-    A forward value at a region's edge: that call. A gradient at a module's output is made by the backward
-    of the module that consumed the output: re-run it if it is a compiled region. A parameter gradient
-    measured at the step's end: the innermost region holding that module."""
+def _needs_rerun(frames: list[ResolvedFrame], index: int, backward: bool) -> bool:
+    """Is the first bad frame one the compiled code hid the inside of?"""
     bad = frames[index]
-
-    def call_of(resolved: ResolvedFrame) -> RegionCall | None:
-        position = frames.index(resolved) - start
-        frame = rec.frames[position] if 0 <= position < len(rec.frames) else None
-        return next((c for c in rec.region_calls if frame is not None and c.frame is frame), None)
-
+    if bad.boundary:
+        return True
     if not backward:
-        return call_of(bad) if bad.boundary else None
-    if bad.lines and any(not ln.finite and not (ln.label.startswith("grad:") and ln.ref is None) for ln in bad.lines):
-        consumer = backward_consumer(frames, index)
-        return call_of(consumer) if consumer is not None and consumer.boundary else None
-    holding = [c for c in rec.region_calls
-               if c.region.info.name == "" or bad.name == c.region.info.name
-               or bad.name.startswith(c.region.info.name + ".")]
-    return max(holding, key=lambda c: len(c.region.info.name), default=None)
+        return False
+    line = bad.first_bad_line()
+    if line is not None and line.label.startswith("grad:") and line.ref is None:
+        return True  # a parameter gradient measured at the step's end: its module may sit in a region
+    consumer = backward_consumer(frames, index)
+    return consumer is not None and consumer.boundary
 
 
 def localize(mon: NumericsMonitor, report: NonFiniteReport, frames: list[ResolvedFrame], start: int,
              judge_params: bool) -> NonFiniteReport:
-    """The first bad value is at a compiled region's edge (or in a parameter gradient of a module inside
-    one): re-run that call eagerly, look inside, and return the report of what the re-run shows."""
+    """The first bad value is where compiled code hid what happened: re-run that micro-batch eagerly,
+    and return the report of what the re-run shows (or this one, with a note saying why not)."""
     position = report.position
-    bad = frames[start + position]
     backward = report.first is not None and report.first.phase == BWD
-    call = _call_for(mon._rec, frames, start, start + position, backward)
-    if call is None:
+    if not mon._regions or not _needs_rerun(frames, start + position, backward):
         return report
-    shown = call.region.info.name or "the model"
+    calls = [c for c in mon._rec.root_calls if c.start <= position]
+    if not calls:
+        return report
+    call = calls[-1]
     if backward and not call.output_grads:  # grads="params": the note to use "modules" follows
         return report
-    blocked = mon._regions.rerun_blocked(call.region, mon._world)
-    if blocked:
-        report.notes.append(f"{shown} is compiled (torch.compile); {blocked}.")
+    if mon._world > 1 and _sharded(mon.model):
+        report.notes.append("The model is compiled (torch.compile) and sharded (FSDP / ZeRO-3): an eager re-run to "
+                            "look inside would make collectives on this rank alone, so it is not re-run.")
         return report
     saved, mon._rec, mon._rerunning = mon._rec, StepRecord(), True
     try:
         rerun(mon, call, backward)
         inner = mon._resolved([mon._rec])
+    except CollectiveInRerun as e:
+        report.notes.append(f"The model is compiled (torch.compile); its eager re-run was stopped before a "
+                            f"collective ({e}): on one rank alone it would wait for the others forever.")
+        return report
     except Exception as e:  # the re-run is a bonus: never let it hide the finding itself
-        report.notes.append(f"(the eager re-run of {shown} failed: {type(e).__name__}: {e})")
+        report.notes.append(f"(the eager re-run of the compiled model failed: {type(e).__name__}: {e})")
         return report
     finally:
         mon._rec, mon._rerunning = saved, False
-    context = frames[: start + position]  # everything before the first bad frame, then what the re-run saw
+    context = frames[: start + call.start]  # earlier micro-batches and steps, then what the re-run saw
     again = build_report(context + inner, mon.max_frames, mon.rank, len(context), mon._hf, judge_params)
     if again is None:
         report.notes.append(
-            f"{shown} is compiled (torch.compile). Its call was re-run eagerly on the same inputs (RNG state "
-            "restored) and stayed finite there: the compiled kernels round differently near the dtype's limit "
+            "The model is compiled (torch.compile). This micro-batch was re-run eagerly on the same inputs (RNG "
+            "state restored) and stayed finite there: the compiled kernels round differently near the dtype's limit "
             "(or drew other dropout masks). Run this step without torch.compile to see inside."
         )
         return report
     again.notes.append(
-        f"{shown} is compiled (torch.compile): the frames inside it come from an eager re-run of that call on the "
-        "same inputs (RNG state restored), after the compiled run went non-finite "
-        + (f"in {bad.name}'s parameter gradients." if bad.lines[-1].label.startswith("grad:") and not bad.boundary
-           else "at its edge.")
+        "The model is compiled (torch.compile): these frames come from an eager re-run of this micro-batch on the "
+        "same inputs (RNG state restored), after the compiled run went non-finite"
+        + (f" at {report.first.module or 'the model'}'s edge." if frames[start + position].boundary else ".")
     )
     again.position = position  # ranks compare where the value went bad in the step they all ran
     return again

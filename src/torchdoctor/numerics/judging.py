@@ -21,7 +21,7 @@ from .report import FirstNonFinite, NonFiniteReport, build_report, find_first_ba
 from .scalers import OverflowEvent
 from .stats import all_finite, finite_flags_of
 from .step import StepRecord
-from .verdict import NO_BAD, first_bad_code, origin_ranks
+from .verdict import BACKWARD, FORWARD, NO_BAD, UNKNOWN_GRADIENT, first_bad_code, origin_ranks, phase_of, share_verdict
 
 if TYPE_CHECKING:
     from .engines import Engine
@@ -39,6 +39,7 @@ class Judging:
     _scaler: LossScaler | None
     _infos: dict[int, ModuleInfo]
     _deferred_report: NonFiniteReport | None
+    _self_bad: bool  # this rank's own flags were non-finite in the step being judged
     overflows: list[OverflowEvent]
 
     def _frames_with_context(self) -> tuple[list[ResolvedFrame], int]:
@@ -86,16 +87,16 @@ class Judging:
         if check_grads and find_first_bad(frames, start, self._hf, judge_params) is None:
             frames += self._param_grad_frames(step)
         report = build_report(frames, self.max_frames, self.rank, start, self._hf, judge_params)
-        if report is not None and self._rec.region_calls:
+        if report is not None and self._regions:
             report = localize(self, report, frames, start, judge_params)
-        if report is None:
-            return None, NO_BAD
-        phase = 1 if report.first is not None and report.first.phase == BWD else 0
+        if report is None:  # this rank's own flags were bad, but no value it can name (gradients gone)
+            return None, first_bad_code(UNKNOWN_GRADIENT, 0) if self._self_bad else NO_BAD
+        phase = BACKWARD if report.first is not None and report.first.phase == BWD else FORWARD
         return report, first_bad_code(phase, report.position)
 
     def _handle_nonfinite(self, step: int, source: str, check_grads: bool) -> None:
         report, code = self._build_step_report(step, check_grads)
-        origin = origin_ranks(code) if self._sync_ranks else []
+        origin, earliest = origin_ranks(code) if self._sync_ranks else ([], code)
         me = self.rank
         others = [r for r in origin if r != me]
         unknown_gradient = report is None and not others
@@ -117,7 +118,8 @@ class Judging:
             self._blame_other_ranks(report, others)
         if self._deferred_report is not None:
             self._raise(report)
-        only_backward = unknown_gradient or (report.first is not None and report.first.phase == BWD)
+        # decided from the earliest bad value across ranks, so that every rank records or raises alike
+        only_backward = phase_of(earliest) in (BACKWARD, UNKNOWN_GRADIENT)
         skipping = source in ("skipped", "scaler") or (source == "optimizer" and self._engine.skips_overflow)
         if only_backward and skipping:
             self._record_overflow(step, report)
@@ -183,7 +185,17 @@ class Judging:
         """At attach time: a weight that is already non-finite is named at once (one sync, once)."""
         named = [(self._engine.clean(n), p) for n, p in self.model.named_parameters()]
         flag = all_finite(finite_flags_of([p for _, p in named]))
-        if flag is None or bool(flag.item()):
+        if self._sync_ranks:  # sharded weights differ per rank: every rank must refuse together
+            ok, mine = share_verdict(None, flag)
+            if not ok and not mine:
+                others, _ = origin_ranks(NO_BAD)
+                report = NonFiniteReport(0, None, [], "another rank's weights are already non-finite", rank=self.rank)
+                report.bad_ranks = others
+                self._raise(report)
+            if ok:
+                return
+            origin_ranks(first_bad_code(FORWARD, 0))
+        elif flag is None or bool(flag.item()):
             return
         for name, p in named:
             line = measure_now(name.rsplit(".", 1)[-1], p, param=True)

@@ -181,8 +181,9 @@ class NumericsMonitor(Recording, Judging):
         self._forward_start = 0  # index in the step's frames where the current root forward began
         self._grad_hooks_on = False
         self._rerunning = False  # an eager re-run of a compiled region is recording
-        self._region_stack: list[tuple[Region, Any]] = []
+        self._region_stack: list[tuple[Region, int]] = []  # regions in flight: where their frames begin
         self._warned_unseen = False  # said once: a step without any recorded forward
+        self._self_bad = False  # this rank's own flags in the step being judged
         self._measured_params: dict[int, list] = {}  # ZeRO-3: weights measured as their module's forward began
         self._history: deque[StepRecord] = deque()
         self._handles: list[Any] = []
@@ -220,7 +221,7 @@ class NumericsMonitor(Recording, Judging):
             if engine.params_at_forward:
                 self.add_handle(module.register_forward_pre_hook(self._on_pre_forward_params))
         if root_region is None:
-            self.add_handle(self.model.register_forward_pre_hook(self._on_root_pre_forward))
+            self.add_handle(self.model.register_forward_pre_hook(self._on_root_pre_forward, with_kwargs=True))
             # runs after the root's own hook, and also when the forward raises (then only this one runs)
             self.add_handle(
                 self.model.register_forward_hook(self._on_root_forward_always, with_kwargs=True, always_call=True)
@@ -363,9 +364,10 @@ class NumericsMonitor(Recording, Judging):
             act_ok = torch.zeros((), dtype=torch.bool)
         check_grads = self.grads != "none" and (source != "forward" or rec.backward_ran)
         grad_flags = self._engine.grad_flags(self._params, exact=False) if check_grads else []
-        ok = self._verdict(act_ok, all_finite(grad_flags + rec.stored_grad_flags()))
+        ok, self._self_bad = self._verdict(act_ok, all_finite(grad_flags + rec.stored_grad_flags()))
         if not ok and check_grads:  # the fast gradient check can overflow on huge finite values: ask exactly
-            ok = self._verdict(act_ok, all_finite(self._engine.grad_flags(self._params) + rec.stored_grad_flags()))
+            exact = all_finite(self._engine.grad_flags(self._params) + rec.stored_grad_flags())
+            ok, self._self_bad = self._verdict(act_ok, exact)
         step = self.step_index
         if step in self.trace_steps:
             self._trace(step)
@@ -377,12 +379,14 @@ class NumericsMonitor(Recording, Judging):
         if abort_check and source != "skipped":
             self._check_abort_after(step)
 
-    def _verdict(self, act_ok: torch.Tensor | None, grad_ok: torch.Tensor | None) -> bool:
-        """Is everything finite (on every rank)? The one host read of a healthy step."""
+    def _verdict(self, act_ok: torch.Tensor | None, grad_ok: torch.Tensor | None) -> tuple[bool, bool]:
+        """(everything finite on every rank, this rank's own values were not). The one host read of a
+        healthy step."""
         if self._sync_ranks:
-            return share_verdict(act_ok, grad_ok)[0]
+            return share_verdict(act_ok, grad_ok)
         both = all_finite([f for f in (act_ok, grad_ok) if f is not None])
-        return True if both is None else bool(both.item())
+        ok = True if both is None else bool(both.item())
+        return ok, not ok
 
     def _forward_unseen(self) -> None:
         """The optimizer steps, yet no forward was recorded: was the model compiled after we attached?
@@ -405,7 +409,7 @@ class NumericsMonitor(Recording, Judging):
     def _rotate(self) -> None:
         """Keep recent steps (unread, on device) as context for a report, then start a new step."""
         rec = self._rec
-        rec.region_calls = []  # inputs kept for a re-run: not beyond their step
+        rec.root_calls = []  # inputs kept for a re-run: not beyond their step
         if rec.frames:
             self._history.append(rec)
             kept = 0

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compiled import Region
+from .compiled import Region, keep_output_grads, root_call
 from .frames import BWD, FWD, MARK, Frame, ModuleInfo, Slot, measure
 from .slots import input_slots, output_slots
 from .stats import finite_flags_of
@@ -77,6 +77,8 @@ class Recording:
         if torch.is_grad_enabled():
             if self.grads == "modules":
                 self._hook_grads(info, output)
+                if info.is_root and rec.root_calls and not self._rerunning:
+                    keep_output_grads(rec.root_calls[-1], output)
             elif info.is_root:
                 self._hook_backward_seen(output)
 
@@ -91,7 +93,7 @@ class Recording:
             rec.slot(name, p, True, self._hf, param=True) for name, p in module.named_parameters(recurse=False)
         ]
 
-    def _on_root_pre_forward(self, module: nn.Module, args: Any) -> None:
+    def _on_root_pre_forward(self, module: nn.Module, args: Any, kwargs: dict | None = None) -> None:
         if _is_compiling() or not self._active or _graph_task() != -1 or self._rerunning:
             return
         if self._root_depth and not self._inside_root_forward(module):
@@ -100,22 +102,27 @@ class Recording:
         self._root_depth += 1
         if self._root_depth > 1:  # a nested call of the root from inside its own forward
             return
-        if self._forward_pending and self._steps_end_at_forward():
+        if self._forward_pending and self._steps_end_at_forward() and (torch.is_grad_enabled() or not self._sync_ranks):
             self._forward_pending = False
             self._close_step("forward")  # the previous forward and the backward that followed it
         if self._stash is not None and torch.is_grad_enabled():  # an evaluation forward raised midway
             self._rec, self._stash = self._stash, None
-        if not torch.is_grad_enabled() and not self._steps_end_at_forward() and self._stash is None:
+        evaluation = not self._steps_end_at_forward() or self._sync_ranks  # (no collective for one rank's eval)
+        if not torch.is_grad_enabled() and evaluation and self._stash is None:
             # an evaluation / generation forward between training steps: checked on its own at its end,
-            # so that a long evaluation loop does not pile its frames onto the training step
+            # so that a long evaluation loop does not pile its frames onto the training step; under
+            # torch.distributed without a collective, since other ranks need not run it
             self._stash, self._rec = self._rec, StepRecord()
             return
         # A backward ran, yet every gradient is None again: the optimizer step was skipped (a loss
         # scaler saw an overflow) and zero_grad() ran. Close that step now.
         skipped_possible = self._rec.backward_ran and not self._manual and self.optimizer is not None
+        skipped_possible = skipped_possible and self._engine.grads_at_report  # (ZeRO-2/3: p.grad is always gone)
         if skipped_possible and self.scaler is None and all(p.grad is None for p in self._params):
             self._close_step("skipped")
         self._forward_start = len(self._rec.frames)
+        if self._regions:  # compiled: keep what an eager re-run of this call would need
+            self._rec.root_calls.append(root_call(args, kwargs, self._forward_start))
 
     def _inside_root_forward(self, module: nn.Module) -> bool:
         """Is an *outer* call of the root module on the Python stack? Asked only when the depth counter
@@ -237,27 +244,24 @@ class Recording:
         if _is_compiling() or not self._active or _graph_task() != -1:
             return
         if region.is_root:
-            self._on_root_pre_forward(module, args)
-        self._region_stack.append((region, self._regions.remember(region, args, kwargs or {})))
+            self._on_root_pre_forward(module, args, kwargs)
+        self._region_stack.append((region, len(self._rec.frames)))
 
     def _region_exit(self, region: Region, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if _is_compiling() or _graph_task() != -1:
             return
-        call = self._region_stack.pop()[1] if self._region_stack and self._region_stack[-1][0] is region else None
+        top = self._region_stack[-1] if self._region_stack else None
+        if top is None or top[0] is not region:
+            return  # entered while the monitor was inactive or recomputing
+        self._region_stack.pop()
         if not self._active:
             return
         rec = self._rec
-        ran_eagerly = bool(rec.frames) and rec.frames[-1].info.module() is region.inner  # its own hooks ran
+        # the region ran eagerly after all (nothing to compile, or a re-run): its own hooks recorded it
+        ran_eagerly = any(f.phase == FWD and f.info.module() is region.inner for f in rec.frames[top[1]:])
         recordable = self._root_depth or region.is_root or torch.is_grad_enabled() or self._rerunning
         if not ran_eagerly and recordable:
             self._record_call(region.info, region.inner, args, kwargs, output)
-            if call is not None:
-                call.frame = rec.frames[-1]
-                rec.region_calls.append(call)
-                if self.grads == "modules" and torch.is_grad_enabled():
-                    for label, v in output_slots(output):
-                        if isinstance(v, torch.Tensor) and v.requires_grad:
-                            v.register_hook(functools.partial(_keep_grad, call, label))
         if region.is_root and self._root_depth <= 1 and not self._rerunning:
             self._root_done = True
             self._on_root_forward_end()
@@ -269,9 +273,6 @@ class Recording:
             self._region_stack.pop()  # the forward raised: its exit never ran
         if region.is_root:
             self._on_root_forward_always(module, None, None, None)
-
-    def _region_failed(self, region: Region) -> None:
-        self._region_always(region, region.outer)
 
     # ------------------------------------------------------------------ marks
     def mark(self, tensor: torch.Tensor, ctx: str) -> None:
@@ -288,7 +289,3 @@ class Recording:
             Frame(self.step_index, MARK, info, [rec.slot("value", tensor)], first_of_step=not rec.frames)
         )
 
-
-def _keep_grad(call: Any, label: str, grad: torch.Tensor) -> None:
-    """A compiled region's output gradient, kept for a backward re-run (grads='modules' only)."""
-    call.output_grads[label] = grad

@@ -30,7 +30,7 @@ class StepRecord:
     backward_grad_flags: list[torch.Tensor] = field(default_factory=list)  # gradients when a backward ended
     backward_grads: list[tuple[torch.Tensor, weakref.ref]] = field(default_factory=list)  # ... which ones
     queued_task: int | None = None  # the backward whose end-of-backward callback is queued
-    region_calls: list = field(default_factory=list)  # compiled regions' calls, kept for an eager re-run
+    root_calls: list = field(default_factory=list)  # the model's calls, kept for an eager re-run (compiled models)
 
     @property
     def empty(self) -> bool:

@@ -3,7 +3,7 @@
 Every rank must stop at the same step, or the others hang in their next collective. So under
 torch.distributed each rank puts its two on-device flags (activations finite, gradients finite) in its
 row of a ``world x 2`` int32 tensor and all ranks sum it: the host reads one scalar (the number of bad
-entries) on a healthy step and the whole table only on a bad one. Integers, not floats: gloo's
+entries) on a healthy step, and its own row only on a bad one. Integers, not floats: gloo's
 MIN/MAX all-reduce drops a nan that is not on rank 0, a SUM of 0/1 flags cannot lose anything.
 
 On a bad step every rank knows it at the same moment, so all of them can take part in a second
@@ -26,8 +26,8 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def share_verdict(act_ok: torch.Tensor | None, grad_ok: torch.Tensor | None) -> tuple[bool, list[int]]:
-    """(every rank finite, the ranks whose activations were non-finite). One host read when healthy."""
+def share_verdict(act_ok: torch.Tensor | None, grad_ok: torch.Tensor | None) -> tuple[bool, bool]:
+    """(every rank finite, this rank's own values were not). One host read when healthy."""
     dist = torch.distributed
     device = _device()
     world, me = dist.get_world_size(), dist.get_rank()
@@ -38,18 +38,25 @@ def share_verdict(act_ok: torch.Tensor | None, grad_ok: torch.Tensor | None) -> 
     dist.all_reduce(bad)
     if not bad.sum().item():  # THE host read of a healthy step
         return True, []
-    rows = bad.cpu().tolist()
-    return False, [r for r, (a, _) in enumerate(rows) if a]
+    return False, bool(bad[me].any().item())
 
 
-def first_bad_code(phase_order: int, position: int) -> int:
-    """A sortable code for where this rank's first non-finite value is: forward before backward, then
-    by position in the step (ranks run the same modules in the same order)."""
-    return phase_order * 2**40 + position
+FORWARD, BACKWARD, UNKNOWN_GRADIENT = 0, 1, 2  # phases of a first bad value, in the order they happen
 
 
-def origin_ranks(code: int) -> list[int]:
-    """The ranks whose first non-finite value came earliest in the step (a collective; bad steps only)."""
+def first_bad_code(phase: int, position: int) -> int:
+    """A sortable code for where this rank's first non-finite value is: forward before backward (before a
+    gradient known only by its flag), then by position in the step (ranks run the same modules in order)."""
+    return phase * 2**40 + position
+
+
+def phase_of(code: int) -> int | None:
+    return None if code >= NO_BAD else code // 2**40
+
+
+def origin_ranks(code: int) -> tuple[list[int], int]:
+    """The ranks whose first non-finite value came earliest in the step, and that code (a collective; bad
+    steps only). Every rank gets the same answer, so every rank decides the same way what to do next."""
     dist = torch.distributed
     device = _device()
     codes = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
@@ -57,4 +64,4 @@ def origin_ranks(code: int) -> list[int]:
     dist.all_reduce(codes)
     values = codes.cpu().tolist()
     best = min(values)
-    return [] if best >= NO_BAD else [r for r, v in enumerate(values) if v == best]
+    return ([] if best >= NO_BAD else [r for r, v in enumerate(values) if v == best]), best

@@ -18,6 +18,7 @@ optimizer. DeepSpeed has its own adapter (:mod:`.deepspeed`).
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,15 @@ if TYPE_CHECKING:
     from ..monitor import NumericsMonitor
 
 log = logging.getLogger("torchdoctor.numerics")
+
+
+def eager(fn: Any) -> Any:
+    """A step callback that runs as plain Python even inside a compiled optimizer step (``@torch.compile``
+    around ``opt.step()``): traced, the monitor's bookkeeping would add a guard per step (a recompilation
+    each time). Dynamo is only asked when it is already loaded, as it is by then in a compiled program."""
+    if "torch._dynamo" in sys.modules:
+        return torch._dynamo.disable(fn)
+    return fn
 
 
 def torch_optimizer(optimizer: Any) -> Any:
@@ -98,15 +108,15 @@ class Engine:
         opt = self.optimizer
         if opt is not None:
             if hasattr(opt, "_optimizer_step_pre_hooks"):
-                mon.add_handle(opt.register_step_pre_hook(mon.on_pre_step))
-                mon.add_handle(opt.register_step_post_hook(mon.on_post_step))
+                mon.add_handle(opt.register_step_pre_hook(eager(mon.on_pre_step)))
+                mon.add_handle(opt.register_step_post_hook(eager(mon.on_post_step)))
             else:
                 log.info("%s has no step hooks: wrapping its step() instead", type(opt).__name__)
-                mon.wrap(opt, "step", before=mon.on_pre_step, after=mon.on_post_step)
+                mon.wrap(opt, "step", before=eager(mon.on_pre_step), after=eager(mon.on_post_step))
             if self.scaler is None and callable(getattr(opt, "zero_grad", None)):
-                mon.wrap(opt, "zero_grad", before=mon.on_zero_grad)
+                mon.wrap(opt, "zero_grad", before=eager(mon.on_zero_grad))
         if self.scaler is not None:
-            mon.wrap(self.scaler.obj, self.scaler.hook_name, before=mon.on_scaler_update)
+            mon.wrap(self.scaler.obj, self.scaler.hook_name, before=eager(mon.on_scaler_update))
 
     skips_overflow = False  # does the optimizer itself skip a step whose gradients overflowed?
 

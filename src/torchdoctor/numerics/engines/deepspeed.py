@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ..scalers import LossScaler
-from .base import Engine
+from .base import Engine, eager
 
 if TYPE_CHECKING:
     from ..monitor import NumericsMonitor
@@ -94,10 +94,11 @@ class DeepSpeedEngine(Engine):
         return deepspeed_optimizer_of(optimizer) or super()._hookable(optimizer)
 
     def loss_scaler(self, scaler: Any) -> LossScaler | None:
-        if scaler is not None:
+        own = [getattr(self.optimizer, attr, None) for attr in ("loss_scaler", "loss_scale_config")]
+        if scaler is not None and not any(scaler is o for o in own):
             return LossScaler(scaler)
-        for attr in ("loss_scaler", "loss_scale_config"):  # the ZeRO optimizers', the FP16 optimizers'
-            obj = getattr(self.optimizer, attr, None)
+        self._scaler_given = False  # its own (passed or not): read, and DeepSpeed's step does the skipping
+        for obj in own:  # the ZeRO optimizers', the FP16 optimizers'
             if obj is not None and hasattr(obj, "cur_scale"):
                 found = LossScaler(obj, hooked=False)
                 return found if found.dynamic else None
@@ -110,9 +111,9 @@ class DeepSpeedEngine(Engine):
 
     def install(self, mon: NumericsMonitor) -> None:
         if self.optimizer is not None:
-            mon.wrap(self.optimizer, "step", before=mon.on_pre_step, after=mon.on_post_step)
+            mon.wrap(self.optimizer, "step", before=eager(mon.on_pre_step), after=eager(mon.on_post_step))
         if self._scaler_given and self.scaler is not None:  # a scaler passed by hand is hooked as usual
-            mon.wrap(self.scaler.obj, self.scaler.hook_name, before=mon.on_scaler_update)
+            mon.wrap(self.scaler.obj, self.scaler.hook_name, before=eager(mon.on_scaler_update))
 
     def grad_flags(self, params: list[nn.Parameter], exact: bool = True) -> list:
         return []  # each gradient is checked as its parameter receives it (attach_grad_watch)

@@ -1,0 +1,58 @@
+"""Ranks decide alike or one of them hangs: raise vs record under a loss scaler, the eager re-run of a compiled
+block that communicates, the weight check at attach under sharding (2 real ranks, tests/agreement_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def run(tmp_path: Path, mode: str) -> dict[int, dict]:
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "agreement_worker.py"), str(tmp_path), mode]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {r: json.loads((tmp_path / f"{mode}-rank{r}.json").read_text()) for r in (0, 1)}
+
+
+def test_a_forward_inf_under_a_loss_scaler_stops_every_rank(tmp_path):
+    r = run(tmp_path, "scaler-fwd")
+    assert r[0]["error"]["first"]["phase"] == "fwd" and r[0]["error"]["bad_ranks"] == []
+    # rank 1 saw only the inf gradients DDP brought it: not an overflow to skip, since rank 0's forward broke
+    assert r[1]["error"]["bad_ranks"] == [0] and r[1]["overflows"] == []
+    assert r[0]["steps"] == r[1]["steps"] == 2
+
+
+def test_a_backward_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
+    r = run(tmp_path, "scaler-bwd")
+    for rank in (0, 1):
+        assert r[rank]["error"] is None and r[rank]["steps"] == 5
+        assert [step for step, _ in r[rank]["overflows"]] == [1, 2]
+    assert r[0]["overflows"] == r[1]["overflows"]
+
+
+def test_a_rerun_never_makes_a_collective_alone(tmp_path):
+    r = run(tmp_path, "compiled-collective")
+    bad, good = r[1]["error"], r[0]["error"]
+    assert bad["first"]["module"] == "1" and any("stopped before a collective" in n for n in bad["notes"])
+    assert good["bad_ranks"] == [1]
+    assert r[0]["steps"] == r[1]["steps"] == 1
+
+
+def test_sharded_weights_broken_on_one_rank_are_refused_on_every_rank(tmp_path):
+    r = run(tmp_path, "attach-nan")
+    assert r[1]["error"]["first"]["module"] == "0" and r[1]["error"]["first"]["slot"] == "weight"
+    assert r[0]["error"]["first"] is None and r[0]["error"]["bad_ranks"] == [1]
+
+
+def test_one_ranks_own_evaluation_needs_no_collective(tmp_path):
+    r = run(tmp_path, "eval-one-rank")
+    assert r[0]["error"]["first"]["phase"] == "fwd" and r[0]["error"]["bad_ranks"] == []
+    assert r[1]["error"]["first"] is None and r[1]["error"]["bad_ranks"] == [0]
+    assert r[0]["steps"] == r[1]["steps"]
