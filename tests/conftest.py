@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,3 +90,15 @@ def boom_mlp(seed: int = 0) -> torch.nn.Module:
 def _in_tmp_dir(tmp_path, monkeypatch):
     """Reports are written to the working directory by default: keep them out of the repo."""
     monkeypatch.chdir(tmp_path)
+
+
+def torchrun(script: str, *args: str, ranks: int = 2, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    """Run ``tests/<script>`` under torchrun with ``ranks`` real processes (gloo, one thread each); it must
+    exit 0. The ranks report through files, since their stdout would interleave."""
+    here = Path(__file__).parent
+    full_env = {**os.environ, "PYTHONPATH": str(here.parent / "src"), "OMP_NUM_THREADS": "1", **env}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+           str(here / script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc

@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from conftest import torchrun
 
 HERE = Path(__file__).parent
 
 
 def run_workers(tmp_path, mode: str) -> dict[int, dict]:
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src"), "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(HERE / "ddp_worker.py"), str(tmp_path), mode,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun("ddp_worker.py", str(tmp_path), mode, timeout=180)
     return {r: json.loads((tmp_path / f"result-rank{r}.json").read_text()) for r in (0, 1)}
 
 

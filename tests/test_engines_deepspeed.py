@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import torchrun
+
 pytest.importorskip("deepspeed")
 
 HERE = Path(__file__).parent
@@ -78,10 +80,7 @@ def one_rank(deepspeed_built, tmp_path_factory) -> dict:
 def two_ranks(deepspeed_built, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ds2")
     cases = ["z2-fp32", "z2-bf16", "z3-fp32", "z3-bf16", "scaler"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "ds_worker.py"), str(out), *cases]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600, cwd=out)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun("ds_worker.py", str(out), *cases, timeout=600, DS_ACCELERATOR="cpu")
     return _load(out, cases, (0, 1))
 
 

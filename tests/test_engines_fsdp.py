@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import torchrun
 
 HERE = Path(__file__).parent
 LEVELS = ("none", "params", "modules")
@@ -17,11 +16,7 @@ USER_NAMES = ["", "blocks", "blocks.0", "blocks.0.act", "blocks.0.fc1", "blocks.
 
 
 def run(tmp_path: Path, wrap: str) -> dict[int, dict]:
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "fsdp_worker.py"), str(tmp_path), wrap]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun("fsdp_worker.py", str(tmp_path), wrap)
     return {r: json.loads((tmp_path / f"{wrap}-rank{r}.json").read_text()) for r in (0, 1)}
 
 

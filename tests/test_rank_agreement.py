@@ -4,20 +4,15 @@ block that communicates, the weight check at attach under sharding (2 real ranks
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from conftest import torchrun
 
 HERE = Path(__file__).parent
 
 
 def run(tmp_path: Path, mode: str) -> dict[int, dict]:
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "agreement_worker.py"), str(tmp_path), mode]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun("agreement_worker.py", str(tmp_path), mode, timeout=240)
     return {r: json.loads((tmp_path / f"{mode}-rank{r}.json").read_text()) for r in (0, 1)}
 
 
