@@ -106,8 +106,7 @@ def _sharded(module: nn.Module) -> bool:
 class Regions:
     """The compiled regions of one monitored model."""
 
-    def __init__(self, mon: NumericsMonitor, model: nn.Module, root: nn.Module) -> None:
-        self._mon = weakref.ref(mon)
+    def __init__(self, model: nn.Module, root: nn.Module) -> None:
         self.regions: list[Region] = []
         for name, outer, inner in find_regions(model, root):
             info = ModuleInfo(name, user_class_name(inner), weakref.ref(inner), is_root=inner is root, boundary=True)

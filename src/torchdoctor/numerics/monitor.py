@@ -189,7 +189,7 @@ class NumericsMonitor(Recording, Judging):
         self._handles: list[Any] = []
         self._restore: list[tuple[Any, str, Any, Any]] = []
         self._active = False
-        self._regions = Regions(self, model, self.model)
+        self._regions = Regions(model, self.model)
         self._new_step()
         try:
             self._attach()
@@ -392,7 +392,7 @@ class NumericsMonitor(Recording, Judging):
         """The optimizer steps, yet no forward was recorded: was the model compiled after we attached?
         Inside compiled code the hooks do nothing; ``module.compile()`` regions can still get their edges."""
         self._warned_unseen = True
-        late = Regions(self, self.model, self.model)
+        late = Regions(self.model, self.model)
         if late:
             late.install(self)
             self._regions.regions += late.regions

@@ -130,9 +130,7 @@ class Recording:
         calls = 0
         frame = sys._getframe(1)
         while frame is not None:
-            if frame.f_code.co_name in ("_call_impl", "_region_call") and frame.f_locals.get("self") in (
-                module, self
-            ):
+            if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is module:
                 calls += 1
                 if calls > 1:
                     return True
