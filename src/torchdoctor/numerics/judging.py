@@ -80,7 +80,7 @@ class Judging:
     def _build_step_report(self, step: int, check_grads: bool) -> tuple[NonFiniteReport | None, int]:
         """This rank's report of the current step, and the sortable code of where its first bad value is."""
         if self._deferred_report is not None:
-            return self._deferred_report, first_bad_code(0, 0)
+            return self._deferred_report, first_bad_code(FORWARD, 0)
         frames, start = self._frames_with_context()
         # weights are measured now: without a hooked optimizer they may have changed since the forward
         judge_params = self._optimizer_hooked() or self._hf

@@ -278,7 +278,6 @@ class NumericsMonitor(Recording, Judging):
                 setattr(obj, attr, old)
         self._restore = []
         self._regions.close()
-        self._engine.close()
         self._release_modules()
         self._tracer.close()
 
@@ -301,7 +300,6 @@ class NumericsMonitor(Recording, Judging):
 
     def _new_step(self) -> None:
         self._rec = StepRecord()
-        self._engine.new_step()
 
     def _steps_end_at_forward(self) -> bool:
         return self.optimizer is None and not self._manual and self.scaler is None

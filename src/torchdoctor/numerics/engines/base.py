@@ -128,12 +128,6 @@ class Engine:
         ``exact=False``: the fast check of :func:`~..stats.finite_flags_of`, confirmed when it says no."""
         return finite_flags_of([p.grad for p in params if p.grad is not None], exact=exact)
 
-    def new_step(self) -> None:
-        """A step starts (engines that collect per-step state reset it here)."""
-
     # ------------------------------------------------------------------ loss scaling
     def loss_scaler(self, scaler: Any) -> LossScaler | None:
         return None if scaler is None else LossScaler(scaler)
-
-    def close(self) -> None:
-        """Undo what :meth:`install` could not register as a handle (nothing, here)."""

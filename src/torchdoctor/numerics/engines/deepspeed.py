@@ -81,13 +81,12 @@ class DeepSpeedEngine(Engine):
     kind = "deepspeed"
 
     def __init__(self, model: nn.Module, optimizer: Any, scaler: Any) -> None:
-        self.ds_engine = deepspeed_engine_of(model)
-        if optimizer is None and self.ds_engine is not None:
-            optimizer = self.ds_engine.optimizer
+        engine = deepspeed_engine_of(model)
+        if optimizer is None and engine is not None:
+            optimizer = engine.optimizer
         self._scaler_given = scaler is not None
         super().__init__(model, optimizer, scaler)
-        self.zero3 = any(hasattr(p, "ds_id") for p in self.root.parameters())
-        self.params_at_forward = self.zero3
+        self.params_at_forward = any(hasattr(p, "ds_id") for p in self.root.parameters())  # ZeRO-3
         self.grads_at_report = False  # p.grad is gone by the step: gradients are measured as they arrive
 
     def _hookable(self, optimizer: Any) -> Any:
