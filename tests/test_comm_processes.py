@@ -58,12 +58,13 @@ def children(pid: int) -> list[int]:
     return sorted(out)
 
 
-def rank_processes(n: int, *args: str, ranks=None, port: int | None = None):
+def rank_processes(n: int, *args: str, ranks=None, port: int | None = None, extra_env: dict | None = None):
     """Ranks started by hand, as any launcher would (RANK, WORLD_SIZE, MASTER_*): rank 0 hosts the store."""
     port = port or free_port()
     procs = {}
     for r in ranks if ranks is not None else range(n):
-        env = _env(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = _env(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   **(extra_env or {}))
         procs[r] = subprocess.Popen([sys.executable, *COMM, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, env=env)
     return procs
@@ -300,8 +301,10 @@ def test_local_parent_reports_when_every_rank_was_killed():
     assert p.returncode == 1
     out = the_json(stdout)
     assert [r["status"] for r in out["ranks"]] == ["broken", "broken"]
-    assert all(r["detail"] == "died during bench all_reduce 8M" for r in out["ranks"])
-    assert sorted(f["data"]["rank"] for f in out["findings"] if f["id"] == "comm.rank-died") == [0, 1]
+    # the parent reaped both: it knows how they ended
+    assert all(r["detail"] == "was killed by SIGKILL during bench all_reduce 8M" for r in out["ranks"])
+    died = [f for f in out["findings"] if f["id"] == "comm.rank-died"]
+    assert sorted(f["data"]["rank"] for f in died) == [0, 1] and {f["data"]["signal"] for f in died} == {"SIGKILL"}
 
 
 def _free_slurm_job_id() -> int:

@@ -116,7 +116,8 @@ def test_dead_rank():
     f = findings[0]
     assert f.severity == "fail"
     assert f.title == "rank 3 (host b, local rank 1) died during bench all_reduce 16M"
-    assert f.data == {"rank": 3, "stage": "bench", "detail": "all_reduce 16M", "process": None}
+    assert f.data == {"rank": 3, "stage": "bench", "detail": "all_reduce 16M", "process": None,
+                      "returncode": None, "signal": None}
     assert "last stage entered: bench all_reduce 16M" in f.evidence[0]
     assert any("host b" in fx and "dmesg" in fx for fx in f.fix)
     assert not any("rendezvous store" in e for e in f.evidence)
@@ -133,7 +134,8 @@ def test_dead_rank_before_any_stage():
     rows, findings = judge(snap, "gloo", TIMEOUT)
     f = only(findings, "comm.rank-died")
     assert f.title == "rank 1 (host a, local rank 1) died during join"
-    assert f.data == {"rank": 1, "stage": None, "detail": None, "process": None}
+    assert f.data == {"rank": 1, "stage": None, "detail": None, "process": None, "returncode": None,
+                      "signal": None}
     assert rows[1]["detail"] == "died during join"
 
 
@@ -255,9 +257,22 @@ def test_store_lost_blames_the_store_host():
     assert [f.id for f in findings] == ["comm.rank-died"]
     f = findings[0]
     assert f.data["rank"] == 0
-    assert f.title == "rank 0 (host a, local rank 0), which hosts the rendezvous store, died or became unreachable"
+    assert f.title == ("rank 0 (host a, local rank 0), which hosts the rendezvous store, died or became unreachable"
+                       " during all_reduce")
     assert "the store stopped answering: Connection reset by peer" in f.evidence
-    assert rows[0]["status"] == "broken"
+    assert rows[0]["status"] == "broken" and rows[0]["detail"] == "died during all_reduce"
+
+
+def test_store_host_whose_stage_was_never_read_is_not_said_to_be_in_join():
+    """Before issue 10 a store host the survivors never read a stage of was reported "died during join"."""
+    snap = {0: rec(ident(0), None, None, alive=False),
+            1: rec(ident(1), ("bench", "all_reduce 8M"), broken("bench", kind="error", detail="all_reduce 8M"))}
+    rows, findings = judge(snap, "gloo", TIMEOUT, store_lost="Connection reset by peer", store_host_rank=0)
+    f = only(findings, "comm.rank-died")
+    assert f.title == "rank 0 (host a, local rank 0), which hosts the rendezvous store, died or became unreachable"
+    assert "join" not in f.title and "join" not in rows[0]["detail"]
+    assert rows[0]["detail"] == "died (its last stage was never read)"
+    assert f.evidence[0].endswith("last stage entered: never read")
 
 
 def test_store_lost_overrides_a_store_host_that_looked_alive():
@@ -500,3 +515,73 @@ def test_what_this_host_sees_of_a_silent_rank(state, verb, fix):
     assert f.title == f"rank 1 (host a, local rank 1) {verb} ring send 1->0"
     assert any(fix in fx for fx in f.fix)
     assert rows[1]["detail"] == f"{verb} ring send 1->0" and f.data["process"] == state
+
+
+# -- what the --local launcher saw (exit records) -----------------------------------------------------
+
+def exited(returncode, pid=5000):
+    sig = {-9: "SIGKILL", -11: "SIGSEGV", -15: "SIGTERM"}.get(returncode)
+    return {"returncode": returncode, "signal": sig, "pid": pid}
+
+
+def peer_died(r, stage):
+    return broken(stage, kind="peer-died", error=f"rank {r} was killed by SIGKILL (seen by its launcher) while this "
+                                                 f"rank was in {stage}")
+
+
+def test_a_rank_killed_before_joining_is_dead_not_missing():
+    snap = {0: rec(ident(0), "join", peer_died(1, "join"), alive=True), 1: {**rec(None), "exit": exited(-9)},
+            2: rec(ident(2), "join", peer_died(1, "join"), alive=True)}
+    rows, findings = judge(snap, "gloo", TIMEOUT)
+    assert [f.id for f in findings] == ["comm.rank-died"]
+    f = findings[0]
+    assert f.title == "rank 1 was killed by SIGKILL before joining"
+    assert f.data == {"rank": 1, "stage": None, "detail": None, "process": "gone", "returncode": -9,
+                      "signal": "SIGKILL"}
+    assert "its launcher saw its process 5000 end: was killed by SIGKILL (returncode -9)" in f.evidence[0]
+    assert "before joining" in f.evidence[1]
+    assert any("dmesg" in fx for fx in f.fix)
+    assert rows[1] == {"rank": 1, "host": None, "local_rank": None, "device": None, "status": "broken",
+                       "stage": None, "detail": "was killed by SIGKILL before joining"}
+    assert rows[0]["status"] == rows[2]["status"] == "ok"
+    assert rows[0]["detail"] == "stopped in join: rank 1 was killed by SIGKILL"
+    # the same rank without its launcher's word: missing (what torchrun or srun launches get)
+    snap[1] = rec(None)
+    _, findings = judge(snap, "gloo", TIMEOUT)
+    assert [f.id for f in findings] == ["comm.rank-missing"]
+
+
+def test_exit_record_names_the_signal_and_stage_even_while_the_heartbeat_looked_alive():
+    snap = {0: rec(ident(0), ("bench", "all_reduce 8M"), peer_died(1, "bench"), alive=True),
+            1: {**rec(ident(1), ("bench", "all_reduce 8M"), None, alive=True), "exit": exited(-9)}}
+    rows, findings = judge(snap, "gloo", TIMEOUT)
+    f = only(findings, "comm.rank-died")
+    assert f.title == "rank 1 (host a, local rank 1) was killed by SIGKILL during bench all_reduce 8M"
+    assert f.data["stage"] == "bench" and f.data["detail"] == "all_reduce 8M" and f.data["signal"] == "SIGKILL"
+    assert "last stage entered: bench all_reduce 8M" in f.evidence
+    assert rows[1]["detail"] == "was killed by SIGKILL during bench all_reduce 8M"
+
+
+def test_a_rank_that_exited_with_an_error_code_points_at_its_own_output():
+    snap = {0: rec(ident(0), "join", peer_died(1, "join"), alive=True), 1: {**rec(None), "exit": exited(1)}}
+    _, findings = judge(snap, "gloo", TIMEOUT)
+    f = only(findings, "comm.rank-died")
+    assert f.title == "rank 1 exited with code 1 before joining"
+    assert f.data["returncode"] == 1 and f.data["signal"] is None
+    assert f.fix == ["read rank 1's own output (stderr) for the error it exited with"]
+
+
+def test_a_native_crash_signal_is_not_blamed_on_the_oom_killer():
+    snap = {0: rec(ident(0), "init", peer_died(1, "init"), alive=True),
+            1: {**rec(ident(1), ("init", "gloo"), None), "exit": exited(-11)}}
+    f = only(judge(snap, "gloo", TIMEOUT)[1], "comm.rank-died")
+    assert f.title == "rank 1 (host a, local rank 1) was killed by SIGSEGV during init gloo"
+    assert not any("dmesg" in fx for fx in f.fix) and "SIGSEGV" in f.fix[0]
+
+
+def test_an_exit_after_a_final_status_is_not_a_death():
+    """A rank posts its final status before it leaves: its exit record then adds nothing."""
+    snap = {0: rec(ident(0), "done", ok_final(), alive=False), 1: {**rec(ident(1), "done", ok_final()),
+                                                                    "exit": exited(0)}}
+    rows, findings = judge(snap, "gloo", TIMEOUT)
+    assert findings == [] and [r["status"] for r in rows] == ["ok", "ok"]

@@ -3,20 +3,26 @@
 This process hosts the rendezvous store (so the side channel outlives any rank), starts the ranks as
 subprocesses of ``python -m torchdoctor comm`` and waits for them. The ranks check and report
 themselves; if none of them could print a verdict (all killed), this process prints it from the store.
+
+As a launcher it sees what the ranks cannot: how a rank's process ended. It posts that (exit code or signal) to
+the side channel the moment it reaps the process, so the others name a rank killed before it joined (or hung
+in a collective with a dead peer) at once, instead of waiting out the timeout and calling it "never joined".
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 from .launch import Launch, free_port
 from .session import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, HARD_EXIT_S, Options, RankSession
-from .sidechannel import SideChannel
+from .sidechannel import SideChannel, exit_record, post_exit
 
 GRACE_S = 8.0 + HARD_EXIT_S  # a rank's report (settle) and its hard exit, beyond the stage deadline
 
@@ -53,8 +59,13 @@ def run_local(n: int, opts: Options) -> int:
     base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks must not each take every core
     cmd = [sys.executable, "-m", "torchdoctor", "comm", *child_argv(opts)]
     procs = [subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(n)]
-    codes, stopped_by = _wait(procs, opts.timeout)
-    if not PrefixStore(key_prefix("0.0"), store).check(["reporter"]):
+    channel = PrefixStore(key_prefix("0.0"), store)
+
+    def ended(rank: int, p: subprocess.Popen) -> None:
+        post_exit(channel, rank, exit_record(p.returncode, p.pid))
+
+    codes, stopped_by = _wait(procs, opts.timeout, ended)
+    if not channel.check(["reporter"]):
         _report_for_dead_ranks(n, port, opts)
     if stopped_by is not None:
         return 128 + stopped_by
@@ -63,10 +74,20 @@ def run_local(n: int, opts: Options) -> int:
     return EXIT_USAGE if all(c == EXIT_USAGE for c in codes) else EXIT_PROBLEMS
 
 
-def _wait(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int], int | None]:
+def _wait(procs: list[subprocess.Popen], timeout: float,
+          ended: Callable[[int, subprocess.Popen], None] = lambda r, p: None) -> tuple[list[int], int | None]:
     """Wait for the ranks; never forever. Once one has ended, the others get their own deadline plus the time
-    to report; then SIGTERM (they report that), then SIGKILL. SIGTERM / Ctrl-C to this process reach them."""
+    to report; then SIGTERM (they report that), then SIGKILL. SIGTERM / Ctrl-C to this process reach them.
+    ``ended(rank, process)`` is told of each rank's end as soon as it is reaped (within 0.1 s)."""
     stop = {"signal": None}
+    told: set[int] = set()
+
+    def tell() -> None:
+        for r, p in enumerate(procs):
+            if r not in told and p.poll() is not None:
+                told.add(r)
+                with contextlib.suppress(Exception):  # the report matters more than the record
+                    ended(r, p)
 
     def forward(signum, _frame):
         stop["signal"] = signum
@@ -79,6 +100,7 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int], int
         first_end = None
         while any(p.poll() is None for p in procs):
             time.sleep(0.1)
+            tell()
             now = time.monotonic()
             if first_end is None and any(p.poll() is not None for p in procs):
                 first_end = now
@@ -90,6 +112,7 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int], int
                 break
         if stop["signal"] is not None:
             _reap(procs, 15)
+        tell()
     finally:
         for s, h in old.items():
             signal.signal(s, h)

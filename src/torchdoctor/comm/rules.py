@@ -19,12 +19,20 @@ STAGES = ("connect", "join", "init", "device", "all_reduce", "all_gather", "broa
 
 # how a rank whose heartbeat stopped is described, by what this host can see of its process
 DEAD_VERBS = {"gone": "died during", "stopped": "is frozen (stopped) in", "running": "stopped responding in"}
+_BLAME_VERBS = {"gone": "died", "stopped": "is frozen", "running": "stopped responding"}  # in the others' rows
 _OOM = ("out of memory", "can't allocate memory", "cannot allocate memory", "outofmemoryerror")
 
 
 def is_out_of_memory(error: str) -> bool:
     low = error.lower()
     return any(m in low for m in _OOM)
+
+
+def exit_words(record: Mapping[str, Any]) -> str:
+    """``was killed by SIGKILL`` / ``exited with code 1``: how a launcher saw a rank's process end."""
+    if record.get("signal"):
+        return f"was killed by {record['signal']}"
+    return f"exited with code {record.get('returncode')}"
 
 
 def stage_index(name: str | None) -> int:
@@ -61,13 +69,15 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
     n = len(snap)
     ident = {r: rec.get("identity") for r, rec in snap.items()}
     finals = {r: snap[r]["final"] for r in range(n) if snap[r].get("final")}
+    exits = {r: snap[r]["exit"] for r in range(n) if snap[r].get("exit") and r not in finals}
     if store_lost and store_host_rank is not None:
         # The store's host is gone and liveness cannot be read: only it is known dead, the rest is unknown.
         missing = []
         dead = [store_host_rank] if store_host_rank not in finals else []
     else:
-        missing = [r for r in range(n) if not ident[r]]
-        dead = [r for r in range(n) if ident[r] and r not in finals and not snap[r].get("alive")]
+        # a rank whose launcher saw it end without a final status died, whether it joined or not
+        missing = [r for r in range(n) if not ident[r] and not exits.get(r)]
+        dead = [r for r in range(n) if r not in finals and (exits.get(r) or ident[r] and not snap[r].get("alive"))]
     running = [r for r in range(n) if r not in finals and r not in missing and r not in dead]
     broken = {r: f for r, f in finals.items() if f["status"] != "ok"}
     # a SIGTERM says nothing about how far the others got: it does not make the ranks behind it "stuck"
@@ -105,39 +115,9 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
             data={"rank": r},
         ))
     for r in dead:
-        stage = snap[r].get("stage")
-        is_store = store_lost and r == store_host_rank
-        state = snap[r].get("process")  # "gone" | "stopped" | "running" | None (not on this host)
-        verb = DEAD_VERBS.get(state, "died during")
-        title = f"{describe(ident[r], r)} {verb} {_where(stage)}"
-        if is_store:
-            title = f"{describe(ident[r], r)}, which hosts the rendezvous store, died or became unreachable"
-        blame.append(f"{describe(ident[r], r)} {verb.split()[0]}")
-        host = (ident[r] or {}).get("host", "?")
-        evidence = [f"its heartbeat stopped and it left no status; last stage entered: {_where(stage)}"]
-        if state is None and not is_store:
-            evidence.append(f"its process on host {host} could not be checked from here: it died or froze")
-        elif state == "stopped":
-            evidence.append(f"its process {(ident[r] or {}).get('pid')} exists but is stopped (SIGSTOP, a debugger, "
-                            "or a job suspended by the scheduler)")
-        elif state == "running":
-            evidence.append(f"its process {(ident[r] or {}).get('pid')} exists but no thread of it answers: hung "
-                            "in native code (a driver call holding the GIL?)")
-        fixes = {
-            "stopped": [f"resume it (`kill -CONT {(ident[r] or {}).get('pid')}`) or find who stopped it (a debugger,"
-                        " `scontrol suspend`)"],
-            "running": [f"dump its stacks: `py-spy dump --native --pid {(ident[r] or {}).get('pid')}` on host {host}",
-                        "rerun with --nccl-debug INFO to see the last NCCL call"],
-        }.get(state, [f"read rank {r}'s own output for its last error",
-                      f"no traceback usually means a kill from outside; the OOM killer leaves a trace: on host "
-                      f"{host}: dmesg -T | grep -i -E 'killed process|out of memory'"])
-        findings.append(Finding(
-            "comm.rank-died", "fail", title,
-            evidence=evidence + ([f"the store stopped answering: {store_lost}"] if is_store else []),
-            fix=fixes,
-            data={"rank": r, "stage": (stage or {}).get("name"), "detail": (stage or {}).get("detail"),
-                  "process": state},
-        ))
+        findings.append(_dead_finding(r, snap[r], exits.get(r), store_lost if r == store_host_rank else None))
+        blame.append(f"{describe(ident[r], r)} " + (exit_words(exits[r]) if r in exits else
+                                                   _BLAME_VERBS.get(snap[r].get("process"), "died")))
     for r in stuck:
         stage = snap[r].get("stage")
         blame.append(f"{describe(ident[r], r)} is stuck")
@@ -252,8 +232,8 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
         if r in missing:
             row.update(status="missing", stage="join", detail="never joined")
         elif r in dead:
-            verb = DEAD_VERBS.get(snap[r].get("process"), "died during")
-            row.update(status="broken", stage=(stage or {}).get("name"), detail=f"{verb} {_where(stage)}")
+            row.update(status="broken", stage=(stage or {}).get("name"),
+                       detail=_dead_where(rec, exits.get(r), bool(store_lost and r == store_host_rank)))
         elif store_lost and not f:
             row.update(status="missing", stage=(stage or {}).get("name"),
                        detail="state unknown: the side channel was lost")
@@ -270,6 +250,72 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
             row.update(status="ok", stage=(stage or {}).get("name"), detail=f"still waiting in {_where(stage)}")
         rows.append(row)
     return rows, findings
+
+
+def _dead_where(rec: Mapping[str, Any], exit_rec: Mapping[str, Any] | None, is_store: bool) -> str:
+    """``was killed by SIGKILL during bench all_reduce 8M``, ``died during init``, ``... before joining``."""
+    stage = rec.get("stage")
+    verb = f"{exit_words(exit_rec)} during" if exit_rec else DEAD_VERBS.get(rec.get("process"), "died during")
+    if exit_rec and not rec.get("identity"):
+        return f"{exit_words(exit_rec)} before joining"
+    if is_store and not stage:
+        return "died (its last stage was never read)"
+    return f"{verb} {_where(stage)}"
+
+
+def _dead_finding(r: int, rec: Mapping[str, Any], exit_rec: Mapping[str, Any] | None,
+                  store_lost: str | None) -> Finding:
+    """A rank that died, froze or hung: what its last records, its launcher and this host say about it."""
+    ident, stage = rec.get("identity"), rec.get("stage")
+    is_store = store_lost is not None
+    state = "gone" if exit_rec else rec.get("process")  # "gone" | "stopped" | "running" | None (not on this host)
+    who = describe(ident, r)
+    title = f"{who} {_dead_where(rec, exit_rec, is_store)}"
+    if is_store:
+        title = f"{who}, which hosts the rendezvous store, died or became unreachable" + (
+            f" during {_where(stage)}" if stage else "")
+    host = (ident or {}).get("host") or (exit_rec or {}).get("host") or "?"
+    pid = (exit_rec or {}).get("pid") or (ident or {}).get("pid")
+    if exit_rec:
+        evidence = [f"its launcher saw its process {pid} end: {exit_words(exit_rec)} (returncode "
+                    f"{exit_rec.get('returncode')}), with no status of its own"]
+        evidence.append(f"last stage entered: {_where(stage)}" if ident else
+                        "it never reached the rendezvous store: it ended while starting (before joining)")
+    else:
+        evidence = [f"its heartbeat stopped and it left no status; last stage entered: "
+                    f"{_where(stage) if stage or not is_store else 'never read'}"]
+    if exit_rec or state is None and is_store:
+        pass
+    elif state is None:
+        evidence.append(f"its process on host {host} could not be checked from here: it died or froze")
+    elif state == "stopped":
+        evidence.append(f"its process {pid} exists but is stopped (SIGSTOP, a debugger, or a job suspended by the "
+                        "scheduler)")
+    elif state == "running":
+        evidence.append(f"its process {pid} exists but no thread of it answers: hung in native code (a driver call "
+                        "holding the GIL?)")
+    oom = (f"no traceback usually means a kill from outside; the OOM killer leaves a trace: on host {host}: "
+           "dmesg -T | grep -i -E 'killed process|out of memory'")
+    if exit_rec and not exit_rec.get("signal"):
+        fixes = [f"read rank {r}'s own output (stderr) for the error it exited with"]
+    elif exit_rec:
+        fixes = [oom if exit_rec.get("signal") == "SIGKILL" else
+                 f"find what sent {exit_rec['signal']} to it (a crash in native code is SIGSEGV / SIGABRT: read "
+                 f"rank {r}'s own output for the native stack)"]
+    else:
+        fixes = {
+            "stopped": [f"resume it (`kill -CONT {pid}`) or find who stopped it (a debugger, `scontrol suspend`)"],
+            "running": [f"dump its stacks: `py-spy dump --native --pid {pid}` on host {host}",
+                        "rerun with --nccl-debug INFO to see the last NCCL call"],
+        }.get(state, [f"read rank {r}'s own output for its last error", oom])
+    return Finding(
+        "comm.rank-died", "fail", title,
+        evidence=evidence + ([f"the store stopped answering: {store_lost}"] if is_store else []),
+        fix=fixes,
+        data={"rank": r, "stage": (stage or {}).get("name"), "detail": (stage or {}).get("detail"),
+              "process": state, "returncode": (exit_rec or {}).get("returncode"),
+              "signal": (exit_rec or {}).get("signal")},
+    )
 
 
 def cross_rank(idents: Mapping[int, Mapping[str, Any]], backend: str) -> list[Finding]:

@@ -31,6 +31,27 @@ from .sidechannel import SideChannel, StoreUnreachable
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 HARD_EXIT_S = 20.0  # beyond the stage deadline (or the report's settle time): leave, whatever is stuck
+# Fault injection for the process tests, read only here: "RANK:STAGE[:SECONDS]" makes that rank SIGKILL itself
+# SECONDS (default 0) after entering STAGE ("connect", "join", ..., "bench", "bench all_reduce 8M": a stage, or a
+# stage and the start of its detail) -- a real death at a known place, which no outside kill can time.
+TEST_DIE_ENV = "TORCHDOCTOR_COMM_TEST_DIE"
+
+
+def injected_death(spec: str | None, rank: int) -> tuple[str, float] | None:
+    """(stage, seconds) of this rank's injected death from :data:`TEST_DIE_ENV`'s value, or None."""
+    if not spec:
+        return None
+    parts = spec.split(":")
+    try:
+        who, stage, after = int(parts[0]), parts[1].strip(), float(parts[2]) if len(parts) > 2 else 0.0
+    except (ValueError, IndexError):
+        raise ValueError(f"{TEST_DIE_ENV}={spec!r}: expected RANK:STAGE[:SECONDS]") from None
+    return (stage, after) if who == rank and stage else None
+
+
+def _matches(stage: str, name: str, detail: str) -> bool:
+    where = f"{name} {detail}".strip()
+    return where == stage or where.startswith(stage + " ")
 
 
 @dataclass
@@ -90,6 +111,7 @@ class RankSession:
         self.bench_results: list = []
         self.usage_error = False
         self._armed_at = 0.0
+        self._die_at = injected_death(os.environ.get(TEST_DIE_ENV), launch.rank)
 
     # -- stage bookkeeping -------------------------------------------------------------------------
     def touch(self) -> None:
@@ -107,6 +129,11 @@ class RankSession:
         if self.channel:
             self.channel.post_stage(name, detail)
         self.touch()
+        if self._die_at and _matches(self._die_at[0], name, detail):
+            kill = threading.Timer(self._die_at[1], os.kill, (os.getpid(), signal.SIGKILL))
+            kill.daemon = True
+            kill.start()
+            self._die_at = None
 
     @contextmanager
     def run_stage(self, name: str, detail: str = ""):
@@ -123,8 +150,13 @@ class RankSession:
         while True:
             time.sleep(0.1)
             d = self.deadline
+            where = f"{self.stage} {self.detail}".strip()
+            dead = self.channel.peer_deaths if self.channel else {}
+            if dead and d is not None:  # a peer its launcher saw die: no stage that needs it can complete
+                r = min(dead)
+                self.fail("peer-died", f"rank {r} {rules.exit_words(dead[r])} (seen by its launcher) while this "
+                                       f"rank was in {where}")
             if d is not None and time.monotonic() > d:
-                where = f"{self.stage} {self.detail}".strip()
                 self.fail("timeout", f"no progress in {where} for {self.opts.timeout:g} s")
 
     def _sigterm(self) -> None:
@@ -375,6 +407,9 @@ class RankSession:
 
 
 def _prefix(ch: SideChannel, name: str):
+    """The process group's store: its own connection. A backend waiting in the store (gloo's init waiting for a
+    peer's address, NCCL's for a unique id) holds its client's lock for the whole wait, so on the side channel's
+    connection it would block the failure report of the very rank it left waiting."""
     from torch.distributed import PrefixStore
 
-    return PrefixStore(f"{ch.prefix}/{name}", ch.raw)
+    return PrefixStore(f"{ch.prefix}/{name}", ch.connect())

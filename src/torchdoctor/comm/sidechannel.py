@@ -4,6 +4,15 @@ Every rank writes here who it is, the stage it entered, a heartbeat counter and 
 collective fails or hangs, the survivors read this to say which rank never joined, died, or is stuck,
 and where. The store is the rendezvous TCPStore: under torchrun (and ``--local``) it lives in a process
 that outlives the ranks, so it survives any rank's death; under plain ``srun`` it lives in rank 0.
+
+Two records come from outside the ranks' own stage bookkeeping, both read by the heartbeat thread (its own
+connection, so a rank stuck in a collective still sees them):
+
+- ``exit/<rank>`` and the counter ``exits``: ``--local``'s parent posts how a rank's process ended (exit code or
+  signal) the moment it reaps it -- a launcher's view that turns "never joined" (after the timeout) into "killed by
+  SIGKILL" (at once). Only watched under ``--local``: torchrun's agent does not write them.
+- rank 0's stage, re-read every beat when rank 0 hosts the store: when rank 0 dies, its store dies with it, and
+  the survivors can only say where it died from what they read before.
 """
 
 from __future__ import annotations
@@ -11,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import signal
+import socket
 import threading
 import time
 from typing import Any
@@ -23,6 +34,23 @@ HEARTBEAT_S = 0.25
 def key_prefix(run_id: str) -> str:
     """The side channel's namespace in the store (PrefixStore adds the separating slash)."""
     return f"torchdoctor/comm/{run_id}"
+
+
+def exit_record(returncode: int, pid: int) -> dict:
+    """How a rank's process ended, as its launcher saw it: ``Popen.returncode`` (negative: the signal)."""
+    sig = None
+    if returncode < 0:
+        try:
+            sig = signal.Signals(-returncode).name
+        except ValueError:
+            sig = f"signal {-returncode}"
+    return {"returncode": returncode, "signal": sig, "pid": pid, "host": socket.gethostname()}
+
+
+def post_exit(store, rank: int, record: dict) -> None:
+    """The launcher's side: ``store`` is the run's PrefixStore; the counter tells heartbeats to look."""
+    store.set(f"exit/{rank}", json.dumps(record))
+    store.add("exits", 1)
 
 
 class StoreUnreachable(RuntimeError):
@@ -59,6 +87,10 @@ class SideChannel:
         self.lost: str | None = None  # set when the store stops answering
         self._seen: dict[str, Any] = {}  # last values read: what a lost store leaves us
         self._claimed: bool | None = None
+        # --local's parent posts exit/<rank> records; under any other launcher nobody does
+        self.watch_exits = launch.mode == "local"
+        self.exits: dict[int, dict] = {}  # rank -> how its process ended, as its launcher saw it
+        self.peer_deaths: dict[int, dict] = {}  # those of them that ended without posting a final status
 
     # -- writing ------------------------------------------------------------------------------------
     def _set(self, key: str, value: Any) -> None:
@@ -89,17 +121,45 @@ class SideChannel:
         """Bump ``hb/<rank>`` every HEARTBEAT_S from a thread with its own connection."""
         from torch.distributed import PrefixStore
 
-        store = PrefixStore(self.prefix, _tcp_store(self.launch, self.timeout, master=False))
+        store = PrefixStore(self.prefix, self.connect())
         key = f"hb/{self.launch.rank}"
+        watch_host = not self.launch.agent_store and self.launch.rank != 0  # rank 0 hosts the store
+        exits_seen = 0
 
         def beat():
+            nonlocal exits_seen
             while not self._beat_stop.is_set():
                 with contextlib.suppress(Exception):  # a hiccup must not make this rank look dead
                     store.add(key, 1)
+                if watch_host:
+                    with contextlib.suppress(Exception):
+                        if "stage/0" in self._seen or store.check(["stage/0"]):
+                            self._seen["stage/0"] = json.loads(store.get("stage/0"))
+                if self.watch_exits:
+                    with contextlib.suppress(Exception):
+                        count = int(store.add("exits", 0))
+                        if count != exits_seen:
+                            self._read_exits(store)
+                            exits_seen = count
                 self._beat_stop.wait(HEARTBEAT_S)
 
         self._beat_thread = threading.Thread(target=beat, name="torchdoctor-heartbeat", daemon=True)
         self._beat_thread.start()
+
+    def connect(self):
+        """A new client connection to the same store (the raw store, no prefix)."""
+        return _tcp_store(self.launch, self.timeout, master=False)
+
+    def _read_exits(self, store) -> None:
+        """New ``exit/<rank>`` records; a peer that ended without a final status died (it posts its final before
+        it leaves, so once its launcher saw it end, no final will come)."""
+        for r in range(self.launch.world_size):
+            if r in self.exits or not store.check([f"exit/{r}"]):
+                continue
+            rec = json.loads(store.get(f"exit/{r}"))
+            self.exits[r] = self._seen[f"exit/{r}"] = rec
+            if r != self.launch.rank and not store.check([f"final/{r}"]):
+                self.peer_deaths[r] = rec
 
     def stop_heartbeat(self, wait: float = 2.0) -> None:
         """Stop the heartbeat and wait (bounded) for its thread to leave the store client. A daemon thread
@@ -186,6 +246,7 @@ class SideChannel:
                 "final": self.get(f"final/{r}"),
                 "ring": self.get(f"ring/{r}"),
                 "alive": r in moved,
+                "exit": self.get(f"exit/{r}") if self.watch_exits else None,
             }
         return snap
 
