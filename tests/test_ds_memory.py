@@ -226,6 +226,103 @@ def test_model_counts_match_the_real_model(kind, tmp_path):
     assert folder["largest_layer_module"] == name and folder["class"] == type(real).__name__
 
 
+# Hand-written config.json files, as users and scripts write them: with and without "architectures", tied and
+# untied. Before issue 10 a config without architectures was built as the base model (AutoModel): an untied LM
+# head (Llama's default) was not counted.
+LM_CONFIGS = {
+    "llama": ({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}, "LlamaForCausalLM",
+              "LlamaModel", 1000 * 32),
+    "gpt2": ({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 1000, "n_positions": 64},
+             "GPT2LMHeadModel", "GPT2Model", 1000 * 32),
+    "t5": ({"model_type": "t5", "d_model": 32, "d_ff": 64, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 2,
+            "d_kv": 16, "vocab_size": 1000, "decoder_start_token_id": 0}, "T5ForConditionalGeneration", "T5Model",
+           1000 * 32),
+}
+
+
+def real_model(cls_name: str, folder):
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    return getattr(transformers, cls_name)(cfg)
+
+
+def real_counts(cls_name: str, folder) -> tuple[int, int]:
+    """The model built for real on the CPU from the same config.json: (unique tensors' numel, largest layer), by
+    DeepSpeed's own model_to_params (which dedups tied weights by data_ptr, right on real tensors)."""
+    real = real_model(cls_name, folder)
+    unique = {p.data_ptr(): p.numel() for p in real.parameters()}
+    total, largest = ds_zero3.model_to_params(real)
+    assert total == sum(unique.values())
+    return total, largest
+
+
+@pytest.mark.parametrize("kind", sorted(LM_CONFIGS))
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("with_architectures", [False, True])
+def test_model_counts_the_lm_head_with_or_without_architectures(kind, tied, with_architectures, tmp_path):
+    raw, lm_class, base_class, head = LM_CONFIGS[kind]
+    raw = {**raw, "tie_word_embeddings": tied}
+    if with_architectures:
+        raw["architectures"] = [lm_class]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    got = memory_run.model_counts(str(tmp_path))
+    assert got["class"] == lm_class
+    if with_architectures:
+        assert got["class_from"] == "architectures[0] in config.json"
+    else:
+        assert got["class_from"].startswith("no architectures in config.json; model_type")
+    assert base_class in got["other_classes"]
+    real = real_model(lm_class, tmp_path)
+    real_tied = real.get_output_embeddings().weight is real.get_input_embeddings().weight
+    if kind != "t5":  # transformers 5 ties T5 whatever the config says; Llama and GPT-2 follow it
+        assert real_tied is tied
+    assert got["head_tied"] is real_tied
+    assert (got["total_params"], got["largest_layer"]) == real_counts(lm_class, tmp_path)
+    base_total, _ = real_counts(base_class, tmp_path)
+    # the head: its own vocab x hidden matrix when untied, nothing more when tied
+    assert got["total_params"] - base_total == (0 if real_tied else head)
+
+
+def test_model_class_chooses_another_head_and_says_so(tmp_path, capsys):
+    raw = {**LM_CONFIGS["llama"][0], "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    got = memory_run.model_counts(str(tmp_path), "LlamaModel")
+    assert got["class"] == "LlamaModel" and got["class_from"] == "--model-class"
+    assert got["total_params"] == real_counts("LlamaModel", tmp_path)[0]
+    got = memory_run.model_counts(str(tmp_path), "LlamaForSequenceClassification")
+    assert got["total_params"] == real_counts("LlamaForSequenceClassification", tmp_path)[0]
+    rc, out, _ = cli(["--model", str(tmp_path), "--gpus-per-node", "1", "--cpu-mem", "8", "--gpu-mem", "8"], capsys)
+    assert rc == 0
+    assert ("counted LlamaForCausalLM (output head untied: its own weights counted): no architectures in "
+            "config.json; model_type 'llama' -> AutoModelForCausalLM "
+            "(transformers' own mapping); another class: --model-class LlamaModel") in out
+    rc, out, _ = cli(["--model", str(tmp_path), "--gpus-per-node", "1", "--cpu-mem", "8", "--gpu-mem", "8", "--json"],
+                     capsys)
+    model = json.loads(out)["inputs"]["model"]
+    assert (model["class"], model["other_classes"], model["head_tied"]) == ("LlamaForCausalLM", ["LlamaModel"], False)
+    assert "AutoModelForCausalLM" in model["class_from"]
+
+
+def test_an_encoder_without_architectures_gets_its_masked_lm_head(tmp_path):
+    raw = {"model_type": "bert", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "vocab_size": 500}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    got = memory_run.model_counts(str(tmp_path))
+    assert got["class"] == "BertForMaskedLM" and "AutoModelForMaskedLM" in got["class_from"]
+    assert got["total_params"] == real_counts("BertForMaskedLM", tmp_path)[0]
+
+
+def test_an_architecture_transformers_lacks_falls_back_to_the_model_type_and_says_so(tmp_path):
+    raw = {**LM_CONFIGS["llama"][0], "tie_word_embeddings": False, "architectures": ["MyLlamaForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    got = memory_run.model_counts(str(tmp_path))
+    assert got["class"] == "LlamaForCausalLM"
+    assert got["class_from"].startswith("architectures[0] 'MyLlamaForCausalLM' is not a class of transformers")
+    assert got["total_params"] == real_counts("LlamaForCausalLM", tmp_path)[0]
+
+
 def test_model_cli_uses_the_counts(tmp_path, capsys):
     from conftest import tiny_gpt2
 
@@ -420,6 +517,8 @@ def test_available_memory_in_finding_titles_is_rounded_like_the_table(capsys, cp
     (["--params", "7B", "--config", "{dup}"], 'duplicate key "stage"'),
     (["--model", "{array}"], "the top level is an array"),
     (["--model", "{weights}"], "is a pickle (torch.save), not JSON"),
+    (["--params", "7B", "--model-class", "LlamaModel"], "--model-class chooses the class --model builds"),
+    (["--model", "{llama}", "--model-class", "LlamaTokenizer"], "--model-class LlamaTokenizer: transformers"),
     (["--params", "7B", "--config", "{stage5}"], "stage must be 0, 1, 2 or 3"),
 ])
 def test_bad_input_exits_2(argv, msg, tmp_path, capsys):
@@ -433,7 +532,9 @@ def test_bad_input_exits_2(argv, msg, tmp_path, capsys):
     (tmp_path / "dup.json").write_text('{"zero_optimization": {"stage": 2, "stage": 3}}')
     (tmp_path / "array.json").write_text("[]")
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not unpickled")
-    subst = {"empty": str(tmp_path / "empty"), "bad_json": str(tmp_path / "bad.json"),
+    (tmp_path / "llama.json").write_text(json.dumps(LM_CONFIGS["llama"][0]))
+    subst = {"llama": str(tmp_path / "llama.json"), "empty": str(tmp_path / "empty"),
+             "bad_json": str(tmp_path / "bad.json"),
              "stage5": str(tmp_path / "stage5.json"), "deep": str(tmp_path / "deep.json"),
              "deep_dir": str(tmp_path / "deep_dir"), "dup": str(tmp_path / "dup.json"),
              "array": str(tmp_path / "array.json"), "weights": str(tmp_path / "pytorch_model.bin")}
@@ -449,7 +550,10 @@ def test_model_counts_are_capped_like_params(tmp_path, capsys, monkeypatch):
     real = tiny_gpt2()
     real.config.architectures = ["GPT2LMHeadModel"]
     real.config.to_json_file(tmp_path / "config.json")
-    monkeypatch.setattr(M, "count_params", lambda model: (3 * 10**18, 10**17, "lm_head"))
+    from torchdoctor.deepspeed import model_count
+
+    assert M.count_params is model_count.count_params  # the old import path still works
+    monkeypatch.setattr(model_count, "count_params", lambda model: (3 * 10**18, 10**17, "lm_head"))
     rc, out, err = cli(["--model", str(tmp_path), "--gpus-per-node", "1"], capsys)
     assert rc == 2 and out == "" and "3e+18 parameters is out of range (at most 1e16, as for --params)" in err
 

@@ -85,6 +85,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..findings import Finding
+from .model_count import count_params  # lives with the model counting; this import path is kept
 
 __all__ = [
     "GIB",
@@ -858,23 +859,3 @@ def judge(rows: list[Row], inputs: Inputs, precision: str,
                              "sequence length (activation checkpointing shrinks them)"],
             [], {"row": row.to_json(configured=configured is not None)}))
     return findings, row
-
-
-# counting a model ------------------------------------------------------------------------------------------------
-
-
-def count_params(model: Any) -> tuple[int, int, str]:
-    """(total params, largest layer's direct params, that module's name) of an ``nn.Module``.
-
-    Total: ``model.parameters()`` yields a shared (tied) Parameter once. DeepSpeed's ``model_to_params`` dedups by
-    ``p.data_ptr()`` instead, which agrees on real tensors but collapses on the meta device (every data_ptr is 0),
-    so it cannot be used on a model built without weights. Largest layer: DeepSpeed's rule, the max over modules of
-    ``sum(p.numel() for p in m.parameters(recurse=False))`` (a tied weight counts in each module that holds it).
-    """
-    total = sum(p.numel() for p in model.parameters())
-    best, name = 0, ""
-    for n, m in model.named_modules():
-        k = sum(p.numel() for p in m.parameters(recurse=False))
-        if k > best:
-            best, name = k, n
-    return int(total), int(best), name

@@ -7,14 +7,15 @@ processes the kernel kills at start-up), ``memory.gpu-oom``, ``memory.fits``. Mo
 not included.
 
 The model comes from ``--params 7B [--largest-layer 131M]`` or ``--model`` (a Hugging Face config.json, or a
-folder holding one), built on the meta device: exact counts, no weights, no network.
+folder holding one), built on the meta device: exact counts, no weights, no network. The class built is the
+config's ``architectures[0]``, else the language-model class of its ``model_type`` (so an untied LM head is
+counted), or ``--model-class``; the output names it and why (:mod:`.model_count`).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import sys
 from fractions import Fraction
@@ -22,11 +23,11 @@ from typing import Any
 
 from .. import _system
 from ..jsonfile import JsonFileError, dumps, load_object
+from .model_count import MAX_COUNT
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-MAX_COUNT = 10**16  # parameters: far beyond any model, small enough for every figure to stay a finite float
 MAX_RANKS = 10**6  # --nodes, --gpus-per-node
 _COUNT = re.compile(r"^([0-9][0-9_]*(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+))?\s*([kKmMbBgGtT]?)$")
 
@@ -41,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", metavar="PATH",
                        help="a Hugging Face config.json or a folder with one: built on the meta device (no weights) "
                             "for the exact parameter count and largest layer")
+    parser.add_argument("--model-class", metavar="NAME",
+                        help="the transformers class --model builds, e.g. LlamaForCausalLM, LlamaModel, "
+                             "AutoModelForSequenceClassification (default: the config's architectures, else the "
+                             "language-model class of its model_type)")
     parser.add_argument("--largest-layer", metavar="N",
                         help="the largest layer's own parameters (ZeRO-3 gathers it whole on one GPU), e.g. 131M "
                              "(vocab x hidden for most language models); counted for you with --model")
@@ -135,69 +140,15 @@ def visible_gpus() -> tuple[int, float | None, str]:
         return 0, None, f"GPU probe failed: {e}"
 
 
-def model_counts(path: str) -> dict[str, Any]:
-    """Count a Hugging Face model's parameters from its config, built on the meta device (no weights, offline).
+def model_counts(path: str, model_class: str | None = None) -> dict[str, Any]:
+    """:func:`.model_count.model_counts`, its errors as usage errors (exit 2)."""
+    from .model_count import ModelCountError
+    from .model_count import model_counts as count
 
-    Returns {"total_params", "largest_layer", "largest_layer_module", "class", "config"}.
-
-    Raises:
-        UsageError: no such path, a folder without config.json, unreadable JSON, transformers missing, or a
-            config transformers cannot build.
-    """
-    if os.path.isdir(path):
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise UsageError(f"--model {path}: the folder has no config.json")
-    elif os.path.isfile(path):
-        cfg_path = path
-    else:
-        raise UsageError(f"--model {path}: no such file or folder")
     try:
-        raw = load_object(cfg_path, "a Hugging Face model config (config.json)")
-    except JsonFileError as e:
-        raise UsageError(f"--model: {e}") from None
-    if "auto_map" in raw:
-        raise UsageError(f"--model {cfg_path}: the model needs its own code (auto_map), which torchdoctor does not "
-                         "run; pass --params and --largest-layer instead")
-    if "model_type" not in raw:
-        raise UsageError(f"--model {cfg_path}: no \"model_type\" key, so transformers cannot tell which model it is")
-    try:
-        import logging
-
-        import torch
-        import transformers
-    except ImportError as e:
-        raise UsageError(f"--model needs transformers and torch ({e}); or pass --params and --largest-layer") from None
-
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    try:
-        cfg = transformers.AutoConfig.from_pretrained(cfg_path, local_files_only=True)
-    except Exception as e:
-        raise UsageError(f"--model {cfg_path}: transformers {transformers.__version__} cannot read it: {e}") from None
-    archs = [a for a in (getattr(cfg, "architectures", None) or []) if isinstance(a, str)]
-    cls = getattr(transformers, archs[0], None) if archs else None
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        cls = None
-    try:
-        with torch.device("meta"):
-            if cls is not None:
-                model = cls._from_config(cfg)
-            elif any(a.endswith("ForCausalLM") for a in archs):
-                model = transformers.AutoModelForCausalLM.from_config(cfg)
-            else:
-                model = transformers.AutoModel.from_config(cfg)
-    except Exception as e:
-        raise UsageError(f"--model {cfg_path}: cannot build the model from its config: {type(e).__name__}: {e}") \
-            from None
-    from .memory import count_params
-
-    total, largest, name = count_params(model)
-    if total > MAX_COUNT:
-        raise UsageError(f"--model {cfg_path}: {total:.3g} parameters is out of range (at most 1e16, as for --params)")
-    if total <= 0:
-        raise UsageError(f"--model {cfg_path}: the model has no parameters")
-    return {"total_params": total, "largest_layer": largest, "largest_layer_module": name,
-            "class": type(model).__name__, "config": cfg_path}
+        return count(path, model_class)
+    except ModelCountError as e:
+        raise UsageError(str(e)) from None
 
 
 # output ----------------------------------------------------------------------------------------------------------
@@ -242,11 +193,13 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("give the model size: --params 7B [--largest-layer 131M], or --model path/config.json")
         if args.params is not None and args.model is not None:
             raise UsageError("give --params or --model, not both")
+        if args.model_class is not None and args.model is None:
+            raise UsageError("--model-class chooses the class --model builds; give --model too")
         model_info = None
         if args.model is not None:
             if args.largest_layer is not None:
                 raise UsageError("--largest-layer is counted from --model; drop one of them")
-            model_info = model_counts(args.model)
+            model_info = model_counts(args.model, args.model_class)
             total, largest = model_info["total_params"], model_info["largest_layer"]
         else:
             total = parse_count(args.params, "--params")
@@ -329,6 +282,12 @@ def run(args: argparse.Namespace) -> int:
         else:
             what += ", largest layer unknown (--largest-layer)"
         print(f"torchdoctor ds memory -- {what}")
+        if model_info:
+            head = {True: " (output head tied to the input embedding: counted once)",
+                    False: " (output head untied: its own weights counted)"}.get(model_info["head_tied"], "")
+            print(f"  counted {model_info['class']}{head}: {model_info['class_from']}" + (
+                f"; another class: --model-class {' | '.join(model_info['other_classes'])}"
+                if model_info["other_classes"] else "; another class: --model-class NAME"))
         print(f"  {nodes} node(s) x {gpn} GPU(s) per node [{gpn_source}]; {precision}")
         print(f"  host RAM per node: {'unknown' if cpu_gib is None else f'{cpu_gib:.1f} GiB'} [{cpu_source}]")
         print(f"  memory per GPU:    {'unknown' if gpu_gib is None else f'{gpu_gib:.1f} GiB'} [{gpu_source}]")
