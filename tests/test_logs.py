@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from torchdoctor.advice import fp16_collapse_fix
 from torchdoctor.logs import analyze as A
 from torchdoctor.logs import logs_run
 from torchdoctor.logs.analyze import Analyzer, analyze_lines, analyze_stream, open_log
@@ -91,8 +92,8 @@ def test_real_dynamic_loss_scaler_collapse_is_a_fail_with_its_history(ds_logs):
     assert [h["scale"] for h in hist] == [2**k for k in range(16, 0, -1)]
     assert d["scale_last"] == 1 and d["hysteresis_overflows"] == 1
     assert "the run stopped" in f.title
-    assert any('"initial_scale_power": 32' in x for x in f.fix)
-    assert any("bf16" in x for x in f.fix) and any("NumericsMonitor" in x for x in f.fix)
+    assert f.fix[0] == fp16_collapse_fix(deepspeed=True)  # the one collapse fix: bf16 first, never "raise to 32"
+    assert not any("initial_scale_power\": 32" in x for x in f.fix) and any("NumericsMonitor" in x for x in f.fix)
     events = [e["event"] for e in report.timeline]
     assert events.count("overflow") == 17 and events[-1] == "scale-min"
     assert report.timeline[-1]["line"] == first_line_no(text, "Exception: Current loss scale already at minimum")
@@ -214,7 +215,9 @@ def test_cuda_oom_details_and_the_fragmentation_fix():
 def test_deepspeed_launcher_minus_9_is_host_oom():
     f = by_id(fixture_report("ds_launcher_killed.log"))["process.killed"]
     assert f.severity == "fail" and "SIGKILL" in f.title and "OOM" in f.title and "89.2%" in f.title
-    assert f.data["kills"][0]["rank"] == 3 and f.data["cpu_memory_percent_max"] == 89.2
+    # --local_rank=3 on the launcher's command line is the rank on that node, not the global rank
+    assert f.data["kills"][0]["local_rank"] == 3 and f.data["kills"][0]["rank"] is None
+    assert f.title.startswith("local rank 3 ") and f.data["cpu_memory_percent_max"] == 89.2
     assert any("torchdoctor ds memory" in x for x in f.fix) and any("dmesg -T | grep -i oom" in x for x in f.fix)
 
 
@@ -730,3 +733,266 @@ def test_an_empty_command_output_is_worded_for_a_command():
     f = by_id(Analyzer(source="command").finish())["logs.empty"]
     assert f.title == "the command printed nothing (no output to analyse)"
     assert "file name" not in " ".join(f.evidence)
+
+
+# ------------------------------------------------------------------------ the loss-scale trajectory (issue 10)
+@pytest.fixture(scope="module")
+def ds_trajectories() -> dict[str, str]:
+    """DeepSpeed's real DynamicLossScaler and config print (tests/fixtures/logs/drive_ds_trajectory.py)."""
+    proc = subprocess.run([sys.executable, str(FIX / "drive_ds_trajectory.py"), str(_free_port()), "startup",
+                           "falling"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    parts = re.split(r"^=== scenario (\w+)\n", proc.stdout, flags=re.M)
+    logs = dict(zip(parts[1::2], parts[2::2]))
+    assert set(logs) == {"startup", "falling"}, proc.stdout
+    return logs
+
+
+def test_real_startup_search_from_2_32_is_info_and_may_suggest_a_lower_initial_scale_power(ds_trajectories):
+    text = ds_trajectories["startup"]
+    assert "Attempted loss scale: 4294967296, reducing to 2147483648" in text
+    f = by_id(analyze_lines(text.splitlines()))
+    assert set(f) == {"fp16.overflow", "logs.clean"}
+    o = f["fp16.overflow"]
+    assert o.severity == "info" and o.data["startup_search"] is True and o.data["scale_increases"] == 0
+    assert o.data["halvings_left"] == 26 and "search at the start" in o.title
+    assert len(o.fix) == 1 and '"initial_scale_power": 26' in o.fix[0] and "only moves the starting scale" in o.fix[0]
+
+
+def test_real_scale_still_falling_reads_min_loss_scale_from_deepspeeds_config_print(ds_trajectories):
+    text = ds_trajectories["falling"]
+    assert "min_loss_scale=4" in text and "final loss scale 16.0" in text
+    report = analyze_lines(text.splitlines())
+    f = by_id(report)["fp16.loss-scale-collapse"]
+    assert f.severity == "warn" and f.data["min_loss_scale"] == 4 and f.data["min_loss_scale_from_log"] is True
+    assert f.data["halvings_left"] == 2 and f.data["falling"] is True and f.data["scale_increases"] == 0
+    assert "still falling at the end of the log" in f.title and "2 halvings left" in f.title
+    assert "from the log's DeepSpeed config" in f.title
+    assert f.fix[0] == fp16_collapse_fix(deepspeed=True)
+    assert cli_exit_code_of(text) == 0  # a warning: the run had not died yet
+
+
+def cli_exit_code_of(text: str, tmp: Path | None = None) -> int:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as fh:
+        fh.write(text)
+    try:
+        return cli(fh.name)
+    finally:
+        Path(fh.name).unlink()
+
+
+_DS_OVF = ("[2026-04-01 10:00:00,000] [INFO] [loss_scaler.py:266:update_scale] [deepspeed] OVERFLOW! Rank 0 "
+           "Skipping step. Attempted loss scale: {}, reducing to {}")
+_BAR = "  {pct}%|##        | {n}/{total} [01:00:00<09:00:00,  9.00s/it]"
+
+
+def _fall(start_power: int, end_power: int, first_step: int | None, total: int = 5000) -> list[str]:
+    out = []
+    for i, k in enumerate(range(start_power, end_power, -1)):
+        if first_step is not None:
+            n = first_step + i
+            out.append(_BAR.format(pct=100 * n // total, n=n, total=total))
+        out.append(_DS_OVF.format(2 ** k, 2 ** (k - 1)))
+    return out
+
+
+@pytest.mark.parametrize("first_step,sev,fid", [
+    (5, "info", "fp16.overflow"),          # a search in the first steps, ending 11 halvings above the minimum
+    (900, "warn", "fp16.loss-scale-collapse"),  # the same fall at step 900 of 5000: the scale is falling
+    (None, "info", "fp16.overflow"),       # no step numbers: it starts at DeepSpeed's initial 2**16
+])
+def test_the_same_fall_is_a_search_at_the_start_and_a_warning_mid_run(first_step, sev, fid):
+    f = by_id(analyze_lines(_fall(16, 11, first_step)))[fid]
+    assert f.severity == sev, f.title
+    assert f.data["halvings_left"] == 11 and f.data["startup_search"] is (sev == "info")
+    if sev == "warn":
+        assert "(step 900 of 5000, 18% into the run)" in " ".join(f.evidence)
+        assert "11 halvings left before the minimum (min_loss_scale 1: DeepSpeed's default" in f.title
+
+
+def test_a_fall_from_the_initial_scale_to_near_the_minimum_is_not_a_search():
+    f = by_id(analyze_lines(_fall(16, 2, 3)))["fp16.loss-scale-collapse"]
+    assert f.severity == "warn" and f.data["halvings_left"] == 2 and f.data["startup_search"] is False
+
+
+def test_one_isolated_halving_mid_run_is_info_and_not_called_recovered():
+    f = by_id(analyze_lines([_BAR.format(pct=50, n=2500, total=5000), _DS_OVF.format(65536, 32768)]))["fp16.overflow"]
+    assert f.severity == "info" and "recovered" not in f.title and "15 halvings above the minimum" in f.title
+
+
+def test_no_collapse_advice_says_raise_initial_scale_power():
+    """Item 4: the one fix text (advice.fp16_collapse_fix) wherever logs gives collapse advice."""
+    texts = [(FIX / n).read_text() for n in sorted(p.name for p in FIX.glob("*.log"))]
+    texts.append("\n".join(_fall(16, 2, 900) + ["{'loss': nan, 'grad_norm': nan, 'learning_rate': 1e-05}"]))
+    for text in texts:
+        for f in analyze_lines(text.split("\n")).findings:
+            assert not any("raise \"initial_scale_power\"" in x or "to 32" in x for x in f.fix), (f.id, f.fix)
+            if f.id in ("fp16.loss-scale-collapse", "loss.nonfinite") and "OVERFLOW" in text:
+                assert f.fix[0] == fp16_collapse_fix(deepspeed=True), (f.id, f.fix)
+
+
+# ------------------------------------------------------------------------------ the HF Trainer's hidden NaN
+def _trainer_output(nan_inf_filter: bool) -> str:
+    """What transformers' real Trainer prints when every step's loss is NaN (a GPT-2 built from a config with a
+    NaN embedding row, CPU, 4 steps, logging every step)."""
+    import contextlib
+    import tempfile
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=32, n_positions=16))
+    with torch.no_grad():
+        model.transformer.wte.weight[3] = float("nan")
+    data = [{"input_ids": torch.tensor([3, 1, 2, 4]), "labels": torch.tensor([3, 1, 2, 4])} for _ in range(8)]
+    buf = io.StringIO()
+    with tempfile.TemporaryDirectory() as d, contextlib.redirect_stdout(buf):
+        args = TrainingArguments(output_dir=d, per_device_train_batch_size=2, max_steps=4, logging_steps=1,
+                                 report_to=[], disable_tqdm=True, save_strategy="no", use_cpu=True,
+                                 logging_nan_inf_filter=nan_inf_filter)
+        Trainer(model=model, args=args, train_dataset=data).train()
+    return buf.getvalue()
+
+
+def test_real_trainer_hides_an_all_nan_loss_as_zero_and_logs_says_the_loss_is_nan():
+    text = _trainer_output(nan_inf_filter=True)
+    dicts = [line for line in text.splitlines() if line.startswith("{'loss'")]
+    assert len(dicts) == 4 and all("'grad_norm': 'nan'" in d and re.search(r"'loss': '0(\.0)?'", d) for d in dicts)
+    report = analyze_lines(text.splitlines())
+    f = by_id(report)["loss.nonfinite"]
+    assert f.severity == "fail" and f.title.startswith("the loss is NaN from epoch 0.25")
+    assert f.data["hidden_by_nan_inf_filter"] == 4 and f.data["recovered"] is False
+    assert any("logging_nan_inf_filter=True" in e and "logs 'loss': 0.0" in e for e in f.evidence)
+    assert any("logging_nan_inf_filter=False" in x for x in f.fix)
+    assert "grad.nonfinite" not in by_id(report)  # the NaN grad norms are the same NaN, told once
+    shown = _trainer_output(nan_inf_filter=False)  # the filter off: the Trainer prints the NaN itself
+    g = by_id(analyze_lines(shown.splitlines()))["loss.nonfinite"]
+    assert g.severity == "fail" and g.data["hidden_by_nan_inf_filter"] == 0
+
+
+@pytest.mark.parametrize("lines,sev", [
+    # a NaN loss shown as 0.0, then finite losses again: a warning (the run went on)
+    (["{'loss': 0.0, 'grad_norm': nan, 'learning_rate': 1e-05, 'epoch': 0.1}",
+      "{'loss': 1.25, 'grad_norm': 0.8, 'learning_rate': 1e-05, 'epoch': 0.2}"], "warn"),
+    # a finite loss then 0.0 with nan norms to the end: the loss is NaN
+    (["{'loss': 0.3127, 'grad_norm': nan, 'learning_rate': 2e-05, 'epoch': 1.1}",
+      "{'loss': 0.0, 'grad_norm': nan, 'learning_rate': 2e-05, 'epoch': 1.2}",
+      "{'loss': 0.0, 'grad_norm': nan, 'learning_rate': 2e-05, 'epoch': 1.3}"], "fail"),
+])
+def test_hidden_nan_loss_recovered_or_not(lines, sev):
+    assert by_id(analyze_lines(lines))["loss.nonfinite"].severity == sev
+
+
+def test_a_zero_loss_with_a_finite_grad_norm_is_not_a_nan():
+    assert "loss.nonfinite" not in by_id(analyze_lines(
+        ["{'loss': 0.0, 'grad_norm': 0.0, 'learning_rate': 1e-05, 'epoch': 3.0}"]))
+
+
+def test_occasional_nan_grad_norm_with_finite_losses_is_an_info_about_skipped_fp16_steps():
+    bar = "100%|##########| 5/5 [00:00<00:00, 2210.50it/s]"  # a preprocessing bar without a name, before training
+    lines = [bar] + [f"{{'loss': {0.2 + i / 100:.4f}, 'grad_norm': {'nan' if i in (0, 5) else 0.5}, "
+                     f"'learning_rate': 0.0001, 'epoch': {0.05 * (i + 1):.2f}}}" for i in range(10)]
+    report = analyze_lines(lines)
+    f = by_id(report)
+    assert f["grad.nonfinite"].severity == "info" and "steps the GradScaler skipped" in " ".join(
+        f["grad.nonfinite"].evidence)
+    assert f["logs.clean"].data["last_step"] is None  # 5/5 was not the training loop
+    assert all(e["step"] is None for e in report.timeline)
+    stuck = lines[:4] + [ln.replace("0.5,", "nan,") for ln in lines[4:]]  # nan from there on: not occasional
+    assert by_id(analyze_lines(stuck))["grad.nonfinite"].severity == "warn"
+
+
+# ---------------------------------------------------------------- messages over lines, cut lines, other trainers
+def _torch_mismatch_message() -> str:
+    from torch.utils.cpp_extension import CUDA_MISMATCH_MESSAGE
+
+    return CUDA_MISMATCH_MESSAGE % ("11.7", "12.1")
+
+
+def test_torchs_cuda_mismatch_message_printed_over_two_lines_is_joined():
+    msg = _torch_mismatch_message()  # torch's own text; printed by pip/setuptools wrapped and indented
+    cut = msg.index("compile") + len("compile")
+    lines = ["RuntimeError:", "      " + msg[:cut], "      " + msg[cut:]]
+    f = by_id(analyze_lines(lines))["build.cuda-mismatch"]
+    assert f.severity == "fail" and f.title.startswith("CUDA toolkit 11.7 does not match torch's CUDA 12.1")
+    assert f.data["mismatches"][0]["line"] == 2
+    a = Analyzer()  # the second line in the next block (torchdoctor run reads a pipe in pieces)
+    a.feed_block("\n".join(lines[:2]) + "\n")
+    a.feed_block(lines[2] + "\n")
+    assert by_id(a.finish())["build.cuda-mismatch"].title == f.title
+    head_only = by_id(analyze_lines(lines[:2]))["build.cuda-mismatch"]  # the log ends after the first line
+    assert head_only.severity == "fail" and "CUDA toolkit 11.7 does not match" in head_only.title
+
+
+def test_torch_2_prints_the_mismatch_as_a_tuple():
+    from torch.utils.cpp_extension import CUDA_MISMATCH_MESSAGE
+
+    line = f"RuntimeError: {RuntimeError(CUDA_MISMATCH_MESSAGE, '11.8', '12.6')}"  # raise RuntimeError(fmt, a, b)
+    f = by_id(analyze_lines([line]))["build.cuda-mismatch"]
+    assert f.title.startswith("CUDA toolkit 11.8 does not match torch's CUDA 12.6")
+
+
+def test_a_cut_mismatch_message_is_known_by_its_traceback_raise_line():
+    lines = ['  File "/env/lib/python3.11/site-packages/torch/utils/cpp_extension.py", line 412, in '
+             "_check_cuda_version",
+             "    raise RuntimeError(CUDA_MISMATCH_MESSAGE.format(cuda_str_version, torch.version.cuda))",
+             "RuntimeError:", "The detected CU"]
+    f = by_id(analyze_lines(lines))["build.cuda-mismatch"]
+    assert f.severity == "fail" and "versions are cut from the log" in f.title
+    assert not any("None" in x for x in [f.title, *f.fix])
+
+
+def test_a_cut_min_scale_exception_is_known_by_deepspeeds_update_scale_frame():
+    frame = ('  File "/opt/venv/lib/python3.10/site-packages/deepspeed/runtime/fp16/loss_scaler.py", line 201, in '
+             "update_scale")
+    cut = ["    raise Exception(", "Exception: Current loss sc"]
+    f = by_id(analyze_lines([frame, *cut]))["fp16.loss-scale-collapse"]
+    assert f.severity == "fail" and "the run stopped" in f.title
+    assert "fp16.loss-scale-collapse" not in by_id(analyze_lines(cut))  # no DeepSpeed frame: not enough to tell
+    longer = by_id(analyze_lines(["Exception: Current loss scale already at minimum - cannot dec"]))
+    assert longer["fp16.loss-scale-collapse"].severity == "fail"
+
+
+def test_a_killed_compiler_says_fewer_build_jobs():
+    for line in ["x86_64-linux-gnu-g++: fatal error: Killed signal terminated program cc1plus",
+                 "nvcc error   : 'cicc' died due to signal 9 (Kill signal)"]:
+        f = by_id(analyze_lines([line, "compilation terminated."]))["build.compiler"]
+        assert f.severity == "fail" and "compiler was killed" in f.title
+        assert "MAX_JOBS=" in f.fix[0] and "OOM" in f.fix[1]
+
+
+_MEGATRON = (" iteration {it:8d}/ {total:8d} | consumed samples: {s:12d} | elapsed time per iteration (ms): 3051.2 "
+             "| learning rate: 1.500E-04 | global batch size:    16 |{loss} loss scale: {scale} | grad norm: {norm} | "
+             "number of skipped iterations:   0 | number of nan iterations:   0 |")
+
+
+def test_megatron_iteration_lines_at_loss_scale_1_with_nan_grad_norm_are_the_collapsed_scale():
+    lines = [_MEGATRON.format(it=i, total=100000, s=16 * i, loss="", scale="1.0", norm="nan") for i in (812, 813, 814)]
+    report = analyze_lines(lines)
+    f = by_id(report)["fp16.loss-scale-collapse"]
+    assert f.severity == "fail" and "at its minimum (1)" in f.title and f.data["min_scale_first_step"] == 812
+    assert f.data["planned_steps"] == 100000 and not any("skipped step" in e for e in f.evidence)
+    healthy = [_MEGATRON.format(it=i, total=100000, s=16 * i, loss=" lm loss: 2.311E+00 |", scale="65536.0",
+                                norm="0.912") for i in range(10, 13)]
+    f = by_id(analyze_lines(healthy))
+    assert set(f) == {"logs.clean"} and f["logs.clean"].data["last_step"] == 12
+
+
+def test_a_custom_trainer_with_nan_loss_and_a_gradscaler_scale_of_0():
+    lines = ["Training: 2026-05-02 08:00:01,100-Speed 1890.22 samples/sec   Loss nan   LearningRate 0.100000   "
+             f"Epoch: 1   Global Step: {n}   Fp16 Grad Scale: 0   Required: 50 hours" for n in (100, 150)]
+    f = by_id(analyze_lines(lines))
+    assert f["loss.nonfinite"].severity == "fail" and f["loss.nonfinite"].data["first_step"] == 100
+    c = f["fp16.loss-scale-collapse"]
+    assert c.severity == "fail" and "scale is 0" in c.title and c.fix[0] == fp16_collapse_fix(deepspeed=False)
+
+
+def test_torchruns_local_rank_is_not_called_the_rank():
+    line = ("E0101 10:00:00.000000 140000 torch/distributed/elastic/multiprocessing/api.py:869] failed (exitcode: -9) "
+            "local_rank: 3 (pid: 51234) of binary: /usr/bin/python3")
+    f = by_id(analyze_lines([line]))["process.killed"]
+    assert f.title.startswith("local rank 3 (pid 51234) was killed by SIGKILL")
+    assert f.data["kills"][0]["local_rank"] == 3 and f.data["kills"][0]["rank"] is None

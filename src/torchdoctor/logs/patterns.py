@@ -13,6 +13,11 @@ Sources (wording checked against the installed packages where they ship it):
     operation timeout: WorkNCCL(SeqNum=1, OpType=BROADCAST, ...) ran for 600081 milliseconds before timing out.``),
     ``NCCLUtils.hpp`` (``NCCL error in: file:line, <reason>, NCCL version X``), the caching allocator
     (``CUDA out of memory. Tried to allocate ...``), ``utils/cpp_extension.py`` (CUDA and host compiler versions);
+  - Megatron-DeepSpeed ``training.py`` (``iteration 5426/ 250000 | ... | loss scale: 1.0 | grad norm: nan | ...``),
+    custom trainers that print a GradScaler's scale (``Loss nan ... Fp16 Grad Scale: 0``), gcc/nvcc when the OOM
+    killer takes the compiler (``gcc: fatal error: Killed signal terminated program cc1plus``, ``nvcc error :
+    'cicc' died due to signal 9``), torch's ``CUDA_MISMATCH_MESSAGE`` as printed over two lines, as a
+    ``RuntimeError(fmt, '11.8', '12.4')`` tuple, or only as the ``raise`` line of its traceback;
   - transformers' Trainer log dicts (``{'loss': 'nan', 'grad_norm': 'inf', ...}``: 5.x formats floats as strings,
     4.x printed raw floats), tqdm postfixes (``loss=nan``), nvcc/gcc/ninja, bash/dmesg/slurm OOM-killer lines.
 
@@ -44,6 +49,7 @@ RANK_PREFIX_RE = re.compile(r"^\[(?:rank|default)(\d+)\]:")
 SCAN_ANCHORS = (
     # DeepSpeed fp16 loss scaling
     "OVERFLOW", "verflow", "Reducing dynamic", "Increasing dynamic", "Using static loss", "Current loss scale",
+    "Exception: ", "Grad Scale:",
     # NCCL / c10d
     "Watchdog caught", "Heartbeat monitor timed out", "NCCL", "InternalError", "SystemError", "UnhandledCudaError",
     "RemoteError", "InvalidUsage", "InvalidArgument",
@@ -55,7 +61,7 @@ SCAN_ANCHORS = (
     # builds
     "Installed CUDA version", "GNU version", "We need GCC", "vcc fatal", "ja: build stopped",
     "Error building extension", "CUDA op(s)", "CUDA was not found", "The detected CUDA version",
-    "The current installed version of",
+    "The current installed version of", "CUDA_MISMATCH_MESSAGE",
     "Unable to JIT load",
     # DeepSpeed config assertions
     "_batch_size is not equal",
@@ -78,13 +84,18 @@ SCAN_RE = re.compile(_by_first_char(SCAN_ANCHORS))
 #: every "x" (a line of x's: 20 MB/s) made `re` try them.
 EXIT_SCAN_RE = re.compile(r"xit(?:s with return code|code| code|ed with)")
 _NONFINITE = r"(?:tensor\()?[-+]?(?i:nan|inf(?:inity)?)(?![\w.])"
-#: ``loss': nan`` / ``"loss": NaN`` / ``loss=nan`` / ``loss: inf`` / ``train_loss = -inf`` (anchored on "oss").
-LOSS_SCAN_RE = re.compile(r"""oss['"]?[ \t]*[:=][ \t]*['"]?""" + _NONFINITE)
+#: ``loss': nan`` / ``"loss": NaN`` / ``loss=nan`` / ``loss: inf`` / ``train_loss = -inf`` / ``Loss nan``
+#: (anchored on "oss").
+LOSS_SCAN_RE = re.compile(r"""oss(?:['"]?[ \t]*[:=][ \t]*['"]?|[ \t]+)""" + _NONFINITE)
 NORM_SCAN_RE = re.compile(r"""_norm['"]?[ \t]*[:=][ \t]*['"]?""" + _NONFINITE)
-#: A finite loss value (checked only after a non-finite one, to tell whether training recovered).
-FINITE_LOSS_RE = re.compile(r"""[lL]oss['"]?[ \t]*[:=][ \t]*['"]?(?:tensor\()?[-+]?(?:\d|\.\d)""")
+#: A finite loss value (checked only after a non-finite one, to tell whether training recovered; a 0 is not one).
+FINITE_LOSS_RE = re.compile(
+    r"""[lL]oss['"]?[ \t]*[:=][ \t]*['"]?(?:tensor\()?(?P<v>[-+]?(?:\d|\.\d)[\d.]*(?:[eE][-+]?\d+)?)""")
 #: Plain substrings searched with str.find (their first characters are too common for SCAN_RE).
-NEEDLES = ("bfloat16 and fp16 modes", "      : ", " error: ", "unable to compile CUDA")
+#: "_scale" finds DeepSpeed's config print (min_loss_scale, 'min_scale', initial_scale_power, 'init_scale') and its
+#: update_scale traceback frame with one search.
+NEEDLES = ("bfloat16 and fp16 modes", "      : ", " error: ", "unable to compile CUDA", "| loss scale: ", "_scale",
+           "died due to signal")
 
 # Progress markers, read lazily (only the last one before an event matters).
 TQDM_MARKERS = ("it/s", "s/it")
@@ -108,12 +119,33 @@ GRAD_OVERFLOW_RE = re.compile(r"Grad overflow on iteration:? (\d+)")
 REDUCING_RE = re.compile(rf"Reducing dynamic loss scale from ({NUM}) to ({NUM})")
 INCREASING_RE = re.compile(rf"Increasing dynamic loss scale from ({NUM}) to ({NUM})")
 STATIC_SCALE_RE = re.compile(rf"Using static loss scale of:? ({NUM})")
-MIN_SCALE_RE = re.compile(r"Current loss scale already at minimum - cannot decrease scale anymore\. Exiting run\.")
+MIN_SCALE_MESSAGE = "Current loss scale already at minimum - cannot decrease scale anymore. Exiting run."
+#: DeepSpeed's message, whole or cut after "minimum" (the last line of a pasted log is often cut mid-word).
+MIN_SCALE_RE = re.compile(r"Current loss scale already at minimum(?: - cannot decrease scale anymore\. Exiting run\.)?")
+#: An exception line, for a message cut even shorter: recognised by the traceback frame that raised it.
+EXCEPTION_LINE_RE = re.compile(r"(?:^|[\s:])Exception: (?P<msg>\S.*?)\s*$")
+DS_UPDATE_SCALE_FRAME_RE = re.compile(r"""File "[^"]*loss_scaler\.py", line \d+, in update_scale""")
+#: DeepSpeed's config print: ``min_loss_scale=1`` (pydantic repr), ``"min_loss_scale":1`` (its JSON dump),
+#: ``'min_scale': 1`` / ``'init_scale': 65536`` (dynamic_loss_scale_args), ``initial_scale_power=16``.
+DS_SCALE_CONFIG_RE = re.compile(
+    rf"""['"]?(?P<key>min_loss_scale|min_scale|initial_scale_power|init_scale)['"]?[ \t]*[:=][ \t]*(?P<val>{NUM})""")
+#: Megatron-DeepSpeed's iteration line (``training_log``): the step, the scale it trains at, the grad norm.
+MEGATRON_ITER_RE = re.compile(r"\biteration\s+(?P<it>\d+)/\s*(?P<total>\d+) \|")
+MEGATRON_SCALE_RE = re.compile(rf"\| loss scale: (?P<scale>{NUM}) \|")
+MEGATRON_NORM_RE = re.compile(r"\| grad norm: (?P<val>[^|\s]+)")
+#: A custom trainer printing its GradScaler's scale (``Fp16 Grad Scale:  0``) and the step.
+GRAD_SCALE_RE = re.compile(rf"(?i:fp16 )?Grad Scale:[ \t]*(?P<scale>{NUM})")
+GLOBAL_STEP_RE = re.compile(r"Global Step:[ \t]*(\d+)")
 
 # non-finite loss / grad norm (full check on the candidate line; the key of each rule is below)
-LOSS_RE = re.compile(r"""(?P<key>\w*[lL]oss)['"]?[ \t]*[:=][ \t]*['"]?(?P<val>""" + _NONFINITE + ")")
+LOSS_RE = re.compile(r"""(?P<key>\w*[lL]oss)(?:['"]?[ \t]*[:=][ \t]*['"]?|[ \t]+)(?P<val>""" + _NONFINITE + ")")
 NORM_RE = re.compile(r"""(?P<key>\w*_norm)['"]?[ \t]*[:=][ \t]*['"]?(?P<val>""" + _NONFINITE + ")")
 STEP_KEY_RE = re.compile(r"""['"](?:global_)?step['"]:[ \t]*(\d+)""")
+#: The Trainer's ``'loss': 0.0`` (4.x) / ``'loss': '0'`` (5.x): with ``'grad_norm': nan`` the loss was NaN on every
+#: step since the last log (``logging_nan_inf_filter`` replaced it by the average of no finite loss: 0).
+HF_ZERO_LOSS_RE = re.compile(r"""['"]loss['"]:[ \t]*['"]?[-+]?0(?:\.0*)?(?:[eE][-+]?\d+)?['"]?[ \t]*[,}]""")
+#: A finite Trainer grad_norm (searched once per chunk after a non-finite one, like FINITE_LOSS_RE).
+HF_FINITE_NORM_RE = re.compile(r"""['"]grad_norm['"]:[ \t]*['"]?[-+]?(?:\d|\.\d)""")
 EPOCH_RE = re.compile(r"""['"]epoch['"]:[ \t]*['"]?(\d+(?:\.\d+)?)""")
 
 # NCCL / c10d
@@ -167,6 +199,15 @@ DS_CUDA_MISMATCH_RE = re.compile(
 TORCH_CUDA_MISMATCH_RE = re.compile(
     r"The detected CUDA version \((?P<sys>[\d.]+)\) (?P<kind>mismatches|has a minor version mismatch with) the version"
     r" that was used to compile\s*PyTorch \((?P<torch>[\d.]+)\)")
+#: Its first line alone (the message printed over two lines, or cut): joined with the next lines (JOINS).
+TORCH_CUDA_MISMATCH_HEAD_RE = re.compile(
+    r"The detected CUDA version \((?P<sys>[\d.]+)\) (?P<kind>mismatches|has a minor version mismatch with)(?P<torch>)")
+#: torch 2.x ``raise RuntimeError(CUDA_MISMATCH_MESSAGE, cuda_str_version, torch.version.cuda)`` prints a tuple.
+TORCH_CUDA_MISMATCH_ARGS_RE = re.compile(
+    r"The detected CUDA version \(%s\) (?P<kind>mismatches|has a minor version mismatch with) .*?['\"],\s*"
+    r"['\"](?P<sys>[\d.]+)['\"],\s*['\"](?P<torch>[\d.]+)['\"]")
+#: The traceback's raise line: torch's _check_cuda_version raises it only on a major-version mismatch.
+TORCH_CUDA_MISMATCH_RAISE_RE = re.compile(r"raise RuntimeError\(CUDA_MISMATCH_MESSAGE\b")
 CUDA_HOME_RE = re.compile(r"CUDA_HOME does not exist, unable to compile CUDA op\(s\)|CUDA was not found on the system"
                           r"|Unable to run (\S+), unable to compile CUDA op\(s\)")
 GCC_TOO_NEW_RE = re.compile(r"unsupported GNU version! gcc versions later than (\d+) are not supported")
@@ -174,6 +215,9 @@ GCC_TOO_OLD_RE = re.compile(r"We need GCC (\d+) or later")
 TORCH_COMPILER_RE = re.compile(
     r"The current installed version of (?P<cc>\S+) \((?P<ver>[\d.]+)\) is (?P<rel>less|greater) than the"
     r" (?:minimum|maximum) required version by CUDA (?P<cuda>[\d.]+)")
+COMPILER_KILLED_RE = re.compile(
+    r"(?P<cc>\S+): fatal error: Killed signal terminated program (?P<prog>\S+)"
+    r"|nvcc error\s*: '(?P<prog2>\w+)' died due to signal (?P<sig>\d+)")
 NVCC_FATAL_RE = re.compile(r"nvcc fatal\s*:\s*(.*)")
 NINJA_STOPPED_RE = re.compile(r"ninja: build stopped: (.*)")
 EXT_BUILD_RE = re.compile(r"Error building extension '([\w.-]+)'")
@@ -196,6 +240,11 @@ RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ("Increasing dynamic loss scale", INCREASING_RE, "_on_increasing"),
     ("Using static loss scale", STATIC_SCALE_RE, "_on_static_scale"),
     ("Current loss scale already at minimum", MIN_SCALE_RE, "_on_min_scale"),
+    ("Exception: ", EXCEPTION_LINE_RE, "_on_exception_line"),
+    ("in update_scale", DS_UPDATE_SCALE_FRAME_RE, "_on_ds_update_scale_frame"),
+    ("_scale", DS_SCALE_CONFIG_RE, "_on_scale_config"),
+    ("| loss scale: ", MEGATRON_SCALE_RE, "_on_megatron_iteration"),
+    ("Grad Scale:", GRAD_SCALE_RE, "_on_grad_scale"),
     ("oss", LOSS_RE, "_on_loss"),
     ("_norm", NORM_RE, "_on_norm"),
     ("Watchdog caught", NCCL_TIMEOUT_RE, "_on_nccl_timeout"),
@@ -226,10 +275,14 @@ RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ("CANCELLED AT", SLURM_CANCEL_RE, "_on_slurm_cancel"),
     ("Installed CUDA version", DS_CUDA_MISMATCH_RE, "_on_ds_cuda_mismatch"),
     ("The detected CUDA version", TORCH_CUDA_MISMATCH_RE, "_on_torch_cuda_mismatch"),
+    ("The detected CUDA version (%s)", TORCH_CUDA_MISMATCH_ARGS_RE, "_on_torch_cuda_mismatch_args"),
+    ("CUDA_MISMATCH_MESSAGE", TORCH_CUDA_MISMATCH_RAISE_RE, "_on_torch_cuda_mismatch_raise"),
     ("CUDA", CUDA_HOME_RE, "_on_cuda_home"),
     ("unsupported GNU version", GCC_TOO_NEW_RE, "_on_gcc_too_new"),
     ("We need GCC", GCC_TOO_OLD_RE, "_on_gcc_too_old"),
     ("The current installed version of", TORCH_COMPILER_RE, "_on_torch_compiler"),
+    ("Killed signal terminated", COMPILER_KILLED_RE, "_on_compiler_killed"),
+    ("died due to signal", COMPILER_KILLED_RE, "_on_compiler_killed"),
     ("nvcc fatal", NVCC_FATAL_RE, "_on_nvcc_fatal"),
     ("ninja: build stopped", NINJA_STOPPED_RE, "_on_ninja_stopped"),
     ("Error building extension", EXT_BUILD_RE, "_on_ext_build"),
@@ -238,3 +291,8 @@ RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ("bfloat16 and fp16 modes", DS_BF16_FP16_RE, "_on_ds_bf16_fp16"),
     ("train_batch_size is not equal", DS_BATCH_RE, "_on_ds_batch"),
 )
+
+#: Rules whose message may go on over the next lines: handler name -> the regex its first line must match. When the
+#: rule's own regex fails on that line, the next lines are joined to it and it is tried again; a head that never
+#: completes (the log was cut) is handled with what it says.
+JOINS: dict[str, re.Pattern[str]] = {"_on_torch_cuda_mismatch": TORCH_CUDA_MISMATCH_HEAD_RE}

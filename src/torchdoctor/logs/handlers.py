@@ -1,0 +1,452 @@
+"""The line handlers: each ``_on_*`` turns one matched log line into facts on the analyzer (counters, bounded
+detail lists, the loss-scale trajectory) and a timeline event. They judge nothing: :mod:`.judge` and
+:mod:`.scale_trajectory` do, once the whole log is read. One handler per rule in ``patterns.RULES``.
+"""
+
+from __future__ import annotations
+
+import re
+import signal as _signal
+from typing import Any
+
+from . import patterns as P
+from .common import CURRENT, MAX_KEYS, add, clip, num, seen, signal_name
+
+_OOM_ERROR_LINE = re.compile(r"(?<!except )(?<!except\()\b(?:\w+\.)*OutOfMemoryError: \S|CUDA error: out of memory")
+_NONFINITE_WORDS = ("nan", "inf", "-inf", "+inf", "infinity", "-infinity")
+
+
+def _nonfinite(text: str | None) -> bool:
+    return text is not None and text.strip("'\"").lower().removeprefix("tensor(") in _NONFINITE_WORDS
+
+
+class Handlers:
+    """Mixin of :class:`~torchdoctor.logs.analyze.Analyzer`: the state the handlers fill, and the handlers."""
+
+    def _init_handlers(self) -> None:
+        from .scale_trajectory import ScaleTrajectory
+
+        # fp16 loss scaling
+        self._scale = ScaleTrajectory()
+        self._static_ovf = 0
+        self._scaleless_ovf = 0
+        self._static_scale: float | None = None
+        self._ds_frame_line = 0        # the last DeepSpeed update_scale traceback frame
+        # losses
+        self._loss_nf = 0
+        self._loss_first: dict | None = None
+        self._loss_last: dict | None = None
+        self._loss_recovered = False
+        self._loss_hidden = 0          # Trainer dicts whose 'loss': 0.0 hides a NaN (see _on_norm)
+        self._norm_nf = 0
+        self._norm_first: dict | None = None
+        self._hf_norms = 0             # Trainer dicts with a grad_norm (counted per chunk in scan.py) ...
+        self._hf_norm_nf_tail = 0      # ... and the non-finite ones since the last finite one
+        self._norm_nf_end: int | None = None  # end of the last such segment in the current buffer
+        self._hf_norm_nf_finite_loss = 0
+        # NCCL
+        self._nccl_timeouts: list[dict] = []
+        self._nccl_timeout_keys: set = set()
+        self._nccl_timeout_n = 0
+        self._nccl_timeout_ranks: set[int] = set()
+        self._nccl_timeout_first: dict | None = None  # the lowest SeqNum of all timeouts: the collective that hung
+        self._nccl_heartbeat: list[dict] = []
+        self._nccl_abort_n = 0
+        self._nccl_errors: list[dict] = []
+        self._nccl_error_n = 0
+        self._nccl_error_keys: set = set()
+        self._nccl_warns: list[dict] = []
+        self._nccl_warn_n = 0
+        # memory
+        self._cuda_oom: list[dict] = []
+        self._cuda_oom_n = 0
+        self._gpu_mem_max: tuple[float, float] | None = None
+        self._cpu_mem_pct_max: float | None = None
+        self._cpu_mem_last: dict | None = None
+        self._host_oom: list[dict] = []
+        self._host_oom_n = 0
+        # processes
+        self._exits: list[dict] = []
+        self._exit_keys: set = set()
+        self._exit_n = 0
+        self._tr_host: str | None = None
+        self._tr_rank: int | None = None
+        self._tr_local_rank: int | None = None
+        self._sigterm_sent = 0
+        self._cancel: dict | None = None
+        # builds and configs
+        self._cuda_mismatch: list[dict] = []
+        self._cuda_home: list[dict] = []
+        self._compiler: list[dict] = []
+        self._build_keys: set = set()
+        self._ds_config: list[dict] = []
+
+    # ------------------------------------------------------------------------------- fp16 loss scaling
+    def _on_overflow(self, m: re.Match, seg: str, lineno: int) -> None:
+        rank = int(m["rank"]) if m["rank"] else self._rank(seg)
+        att, new = num(m["att"]), num(m["new"])
+        if att is None:
+            e = self._event(lineno, "overflow-unscaled", seg)
+            self._scaleless_ovf += 1
+            self._scale.count_overflow(rank, e)
+            return
+        e = self._event(lineno, "overflow", seg)
+        self._scale.count_overflow(rank, e)
+        self._scale.dynamic += 1
+        if m["hyst"] is not None:
+            self._scale.hysteresis += 1
+            self._scale.point(att, att, lineno, self._step, hysteresis=True)
+        elif new is not None:
+            self._scale.point(att, new, lineno, self._step)
+
+    def _on_grad_overflow(self, m: re.Match, seg: str, lineno: int) -> None:
+        it = int(m.group(1))
+        self._set_step(it)
+        self._iterations = max(self._iterations, it + 1)  # iterations count from 0
+        e = self._event(lineno, "overflow", seg, step=it)
+        self._scale.count_overflow(self._rank(seg), e)
+
+    def _on_reducing(self, m: re.Match, seg: str, lineno: int) -> None:
+        att, new = float(m.group(1)), float(m.group(2))
+        self._scale.dynamic += 1
+        self._scale.point(att, new, lineno, self._step)
+        if att == new and not self._counts["scale-min"]:  # the overflow itself is on the line before
+            self._event(lineno, "scale-min", seg)
+
+    def _on_increasing(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._scale.rise(float(m.group(2)), lineno, self._step)
+        self._event(lineno, "scale-up", seg)
+
+    def _on_static_scale(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._static_ovf += 1
+        self._static_scale = float(m.group(1))
+
+    def _on_min_scale(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._event(lineno, "scale-min", seg)
+        self._scale.raised(lineno, self._step, clip(seg))
+
+    def _on_ds_update_scale_frame(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._ds_frame_line = lineno
+
+    def _on_exception_line(self, m: re.Match, seg: str, lineno: int) -> None:
+        """``Exception: Current loss sc`` -- DeepSpeed's min-scale message cut short, under its update_scale frame."""
+        msg = m["msg"]
+        if ("already at minimum" in msg or not self._ds_frame_line or lineno - self._ds_frame_line > 60
+                or len(msg) < 4 or not P.MIN_SCALE_MESSAGE.startswith(msg)):
+            return
+        self._event(lineno, "scale-min", seg)
+        self._scale.raised(lineno, self._step, clip(seg) + " (cut; raised in DeepSpeed's loss_scaler.update_scale)")
+
+    def _on_scale_config(self, m: re.Match, seg: str, lineno: int) -> None:
+        for c in P.DS_SCALE_CONFIG_RE.finditer(seg):
+            v = num(c["val"])
+            if v is None:
+                continue
+            if c["key"] in ("min_loss_scale", "min_scale"):
+                self._scale.configure(min_loss_scale=v)
+            elif c["key"] == "init_scale":
+                self._scale.configure(init_scale=v)
+            elif 0 <= v <= 64:
+                self._scale.configure(init_scale=2.0 ** v)
+
+    def _on_megatron_iteration(self, m: re.Match, seg: str, lineno: int) -> None:
+        it = P.MEGATRON_ITER_RE.search(seg)
+        if it:
+            self._bar_done = None
+            self._set_step(int(it["it"]))
+            self._planned = int(it["total"])
+        norm = P.MEGATRON_NORM_RE.search(seg)
+        nf = bool(norm and _nonfinite(norm["val"])) or bool(P.LOSS_RE.search(seg))
+        scale = float(m["scale"])
+        if nf:
+            self._event(lineno, "scale-nonfinite", seg)
+        self._scale.observe(scale, lineno, self._step, nf, "Megatron", clip(seg))
+
+    def _on_grad_scale(self, m: re.Match, seg: str, lineno: int) -> None:
+        gs = P.GLOBAL_STEP_RE.search(seg)
+        if gs:
+            self._set_step(int(gs.group(1)))
+        scale = float(m["scale"])
+        nf = bool(P.LOSS_RE.search(seg)) or (self._loss_last is not None and self._loss_last["line"] >= lineno - 1
+                                              and not self._loss_recovered)
+        if scale <= 1:
+            self._event(lineno, "scale-min", seg)
+        self._scale.observe(scale, lineno, self._step, nf, "GradScaler", clip(seg))
+
+    # -------------------------------------------------------------------------------------- losses
+    def _nonfinite_loss(self, seg: str, lineno: int, key: str, value: str, hidden: bool = False) -> None:
+        self._training_metrics(seg)
+        e = self._event(lineno, "loss-nonfinite", seg)
+        self._loss_nf += 1
+        self._loss_hidden += hidden
+        self._loss_recovered = False
+        self._nf_end = self._seg_end
+        d = {"line": lineno, "step": self._step, "key": key, "value": value, "text": e["text"], "hidden": hidden}
+        sm = P.STEP_KEY_RE.search(seg) or P.GLOBAL_STEP_RE.search(seg)
+        if sm:  # a metrics dict that names its own step
+            d["step"] = e["step"] = int(sm.group(1))
+        em = P.EPOCH_RE.search(seg)
+        if em:
+            d["epoch"] = float(em.group(1))
+        if self._loss_first is None:
+            self._loss_first = d
+        self._loss_last = d
+
+    def _on_loss(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._nonfinite_loss(seg, lineno, m["key"], m["val"])
+
+    def _on_norm(self, m: re.Match, seg: str, lineno: int) -> None:
+        if "oss" in seg and P.LOSS_RE.search(seg):
+            return  # the loss itself is non-finite: reported as such
+        if m["key"] == "grad_norm" and P.HF_ZERO_LOSS_RE.search(seg):
+            # transformers' Trainer (logging_nan_inf_filter=True, its default) logs the mean of the finite step
+            # losses since the last log: 0.0 when every one was NaN. With the NaN grad norm, the loss is NaN.
+            self._nonfinite_loss(seg, lineno, "loss", "nan (logged as 0.0)", hidden=True)
+            return
+        self._training_metrics(seg)
+        sm = P.STEP_KEY_RE.search(seg)
+        e = self._event(lineno, "grad-norm-nonfinite", seg, step=int(sm.group(1)) if sm else CURRENT)
+        self._norm_nf += 1
+        if m["key"] == "grad_norm":
+            self._hf_norm_nf_finite_loss += 1
+            self._hf_norm_nf_tail += 1
+            self._norm_nf_end = self._seg_end
+        if self._norm_first is None:
+            self._norm_first = {"line": lineno, "step": e["step"], "key": m["key"], "text": e["text"]}
+
+    # -------------------------------------------------------------------------------------------- NCCL
+    def _on_nccl_timeout(self, m: re.Match, seg: str, lineno: int) -> None:
+        rank = int(m["rank"]) if m["rank"] else self._rank(seg)
+        key = (rank, m["seq"], m["op"])
+        if seen(self._nccl_timeout_keys, key):
+            return
+        self._event(lineno, "nccl-timeout", seg)
+        self._nccl_timeout_n += 1
+        if rank is not None and len(self._nccl_timeout_ranks) < MAX_KEYS:
+            self._nccl_timeout_ranks.add(rank)
+        d = {"line": lineno, "step": self._step, "rank": rank, "op": m["op"], "seq": int(m["seq"]),
+             "numel": int(m["numel"]) if m["numel"] else None, "timeout_ms": int(m["tmo"]) if m["tmo"] else None,
+             "ran_ms": int(m["ran"]) if m["ran"] else None, "text": clip(seg)}
+        add(self._nccl_timeouts, d)
+        if self._nccl_timeout_first is None or d["seq"] < self._nccl_timeout_first["seq"]:
+            self._nccl_timeout_first = d
+
+    def _on_nccl_heartbeat(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._event(lineno, "nccl-heartbeat-timeout", seg)
+        add(self._nccl_heartbeat, {"line": lineno, "rank": int(m["rank"]) if m["rank"] else self._rank(seg),
+                                    "text": clip(seg)}, 8)
+
+    def _on_nccl_abort(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._nccl_abort_n += 1
+        if self._nccl_abort_n <= 8:
+            self._event(lineno, "nccl-abort", seg)
+
+    def _nccl_error(self, lineno: int, seg: str, kind: str, detail: str | None = None, **extra: Any) -> None:
+        if seen(self._nccl_error_keys, (kind, detail, self._rank(seg))):
+            return
+        self._event(lineno, "nccl-error", seg)
+        self._nccl_error_n += 1
+        add(self._nccl_errors, {"line": lineno, "step": self._step, "kind": kind, "detail": detail,
+                                 "rank": self._rank(seg), "text": clip(seg), **extra})
+
+    def _on_nccl_error(self, m: re.Match, seg: str, lineno: int) -> None:
+        reason = (m["reason"] or "").strip() or None
+        self._nccl_error(lineno, seg, "NCCL error", reason, version=m["ver"])
+
+    def _on_nccl_code(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._nccl_error(lineno, seg, "nccl" + m["code"], (m["detail"] or "").strip() or None)
+
+    def _on_nccl_aborted(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._nccl_error(lineno, seg, "communicator aborted", f"rank {m.group(1)}")
+
+    def _on_nccl_warn(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._nccl_warn_n += 1
+        if self._nccl_warn_n <= 16:
+            self._event(lineno, "nccl-warn", seg)
+            self._nccl_warns.append({"line": lineno, "text": clip(seg)})
+
+    # ------------------------------------------------------------------------------------------ memory
+    def _on_cuda_oom(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._event(lineno, "cuda-oom", seg)
+        self._cuda_oom_n += 1
+        d: dict[str, Any] = {"line": lineno, "step": self._step, "rank": self._rank(seg),
+                             "tried_to_allocate": m["req"], "text": clip(seg, 600)}
+        g = P.CUDA_OOM_GPU_RE.search(seg)
+        if g:
+            d["gpu"] = int(g["gpu"] or g["gpu_old"])
+            d["total_capacity"] = g["total"] or g["total_old"]
+            d["free"] = g["free"] or g["free_old"]
+        f = P.CUDA_OOM_FRAG_RE.search(seg)
+        if f:
+            d["reserved_unallocated"] = f["unalloc"]
+        add(self._cuda_oom, d, 16)
+
+    def _on_cuda_oom_error(self, m: re.Match, seg: str, lineno: int) -> None:
+        if "CUDA out of memory" in seg or not _OOM_ERROR_LINE.search(seg):
+            return
+        self._event(lineno, "cuda-oom", seg)
+        self._cuda_oom_n += 1
+        add(self._cuda_oom, {"line": lineno, "step": self._step, "rank": self._rank(seg), "tried_to_allocate": None,
+                              "text": clip(seg, 600)}, 16)
+
+    def _on_mem_gpu(self, m: re.Match, seg: str, lineno: int) -> None:
+        max_ma, max_ca = float(m.group(2)), float(m.group(4))
+        old = self._gpu_mem_max or (0.0, 0.0)
+        self._gpu_mem_max = (max(old[0], max_ma), max(old[1], max_ca))
+
+    def _on_mem_cpu(self, m: re.Match, seg: str, lineno: int) -> None:
+        pct = float(m.group(2))
+        self._cpu_mem_pct_max = pct if self._cpu_mem_pct_max is None else max(self._cpu_mem_pct_max, pct)
+        self._cpu_mem_last = {"line": lineno, "used_gb": float(m.group(1)), "percent": pct}
+
+    def _on_host_oom(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._event(lineno, "host-oom", seg)
+        self._host_oom_n += 1
+        add(self._host_oom, {"line": lineno, "text": clip(seg)}, 8)
+
+    # --------------------------------------------------------------------------------------- processes
+    def _exit(self, lineno: int, seg: str, code: int, source: str, pid: int | None = None,
+              rank: int | None = None, host: str | None = None, local_rank: int | None = None) -> None:
+        """One process exit. ``rank`` is the global rank; ``local_rank`` the rank on its node (torchrun's
+        ``failed (exitcode: -9) local_rank: 2`` names only that): never reported as the other."""
+        sig = -code if code < 0 else (code - 128 if 128 < code < 160 else None)
+        if pid is not None and seen(self._exit_keys, (pid, sig if sig is not None else code)):
+            for x in self._exits:  # the same death told again (torchrun's summary block): keep what it adds
+                if x["pid"] == pid:
+                    x["rank"] = x["rank"] if x["rank"] is not None else rank
+                    x["local_rank"] = x["local_rank"] if x["local_rank"] is not None else local_rank
+                    x["host"] = x["host"] or host
+            return
+        self._exit_n += 1
+        self._event(lineno, "killed" if sig is not None else "exit", seg)
+        add(self._exits, {"line": lineno, "step": self._step, "code": code,
+                           "signal": signal_name(sig) if sig else None, "signum": sig, "pid": pid,
+                           "rank": rank if rank is not None else self._rank(seg), "local_rank": local_rank,
+                           "host": host,
+                           "source": source, "text": clip(seg)}, 64)
+
+    def _on_ds_exit(self, m: re.Match, seg: str, lineno: int) -> None:
+        code = int(m.group(1))
+        r = P.DS_LOCAL_RANK_RE.search(seg)
+        if code:
+            self._exit(lineno, seg, code, "deepspeed launcher", local_rank=int(r.group(1)) if r else None)
+
+    def _on_torchrun_failed(self, m: re.Match, seg: str, lineno: int) -> None:
+        code = int(m.group(1))
+        if code:
+            self._exit(lineno, seg, code, "torchrun", pid=int(m.group(3)), local_rank=int(m.group(2)))
+
+    def _on_torchrun_exitcode(self, m: re.Match, seg: str, lineno: int) -> None:
+        code = int(m.group(1))
+        if code:
+            self._exit(lineno, seg, code, "torchrun", pid=int(m.group(2)) if m.group(2) else None,
+                       rank=self._tr_rank, host=self._tr_host, local_rank=self._tr_local_rank)
+        self._tr_rank = self._tr_host = self._tr_local_rank = None
+
+    def _on_torchrun_signal(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._exit(lineno, seg, -int(m.group(1)), "torchrun", pid=int(m.group(3)), rank=self._tr_rank,
+                   host=self._tr_host, local_rank=self._tr_local_rank)
+
+    def _on_torchrun_host(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._tr_host = m.group(1)
+
+    def _on_torchrun_rank(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._tr_rank, self._tr_local_rank = int(m.group(1)), int(m.group(2))
+
+    def _on_spawn(self, m: re.Match, seg: str, lineno: int) -> None:
+        if m.group(2):
+            sig = getattr(_signal, m.group(2), None)
+            code = -int(sig) if sig is not None else -1
+        else:
+            code = int(m.group(3))
+        if code:
+            self._exit(lineno, seg, code, "torch.multiprocessing", rank=int(m.group(1)))
+
+    def _on_subprocess_signal(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._exit(lineno, seg, -int(m.group(2)), "subprocess")
+
+    def _on_bash_killed(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._exit(lineno, seg, -9, "shell", pid=int(m.group(1)) if m.group(1) else None)
+
+    def _on_sigterm_sent(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._sigterm_sent += 1
+        if self._sigterm_sent <= 8:
+            self._event(lineno, "sigterm-sent", seg)
+
+    def _on_slurm_cancel(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._event(lineno, "cancelled", seg)
+        self._cancel = {"line": lineno, "reason": m.group(2), "text": clip(seg)}
+
+    # ------------------------------------------------------------------------------------------ builds
+    def _build(self, lst: list, lineno: int, seg: str, event: str, key: Any = None, **d: Any) -> None:
+        if seen(self._build_keys, (event, key if key is not None else clip(seg))):
+            return
+        self._event(lineno, event, seg)
+        add(lst, {"line": lineno, "text": clip(seg), **d}, 16)
+
+    def _on_ds_cuda_mismatch(self, m: re.Match, seg: str, lineno: int) -> None:
+        tail = m["tail"]
+        verdict = ("info" if "APIs are compatible" in tail else "warn" if "DS_SKIP_CUDA_CHECK" in tail else "fail")
+        self._build(self._cuda_mismatch, lineno, seg, "cuda-mismatch", system=m["sys"], torch=m["torch"],
+                    verdict=verdict, source="deepspeed")
+
+    def _on_torch_cuda_mismatch(self, m: re.Match, seg: str, lineno: int) -> None:
+        verdict = "fail" if m["kind"] == "mismatches" else "info"
+        self._build(self._cuda_mismatch, lineno, seg, "cuda-mismatch", key=("torch", m["sys"]), system=m["sys"],
+                    torch=m["torch"] or None, verdict=verdict, source="torch")
+
+    def _on_torch_cuda_mismatch_args(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._on_torch_cuda_mismatch(m, seg, lineno)
+
+    def _on_torch_cuda_mismatch_raise(self, m: re.Match, seg: str, lineno: int) -> None:
+        """The traceback's ``raise RuntimeError(CUDA_MISMATCH_MESSAGE...`` line: the message itself may be cut."""
+        self._build(self._cuda_mismatch, lineno, seg, "cuda-mismatch", key=("torch-raise",), system=None, torch=None,
+                    verdict="fail", source="torch traceback")
+
+    def _on_cuda_home(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._build(self._cuda_home, lineno, seg, "cuda-home")
+
+    def _on_gcc_too_new(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._build(self._compiler, lineno, seg, "compiler-error", key=("gcc-too-new", m.group(1)), kind="gcc-too-new",
+                    limit=int(m.group(1)))
+
+    def _on_gcc_too_old(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._build(self._compiler, lineno, seg, "compiler-error", kind="gcc-too-old", need=int(m.group(1)))
+
+    def _on_torch_compiler(self, m: re.Match, seg: str, lineno: int) -> None:
+        kind = "gcc-too-new" if m["rel"] == "greater" else "gcc-too-old"
+        self._build(self._compiler, lineno, seg, "compiler-error", kind=kind, compiler=m["cc"], version=m["ver"],
+                    cuda=m["cuda"])
+
+    def _on_compiler_killed(self, m: re.Match, seg: str, lineno: int) -> None:
+        prog = m["prog"] or m["prog2"]
+        self._build(self._compiler, lineno, seg, "compiler-error", key=("killed", prog), kind="compiler-killed",
+                    program=prog, signal=int(m["sig"]) if m["sig"] else 9)
+
+    def _on_nvcc_fatal(self, m: re.Match, seg: str, lineno: int) -> None:
+        kind = "gpu-arch" if ("gpu architecture" in seg or "gpu-architecture" in seg) else "nvcc"
+        self._build(self._compiler, lineno, seg, "compiler-error", kind=kind, detail=m.group(1).strip())
+
+    def _on_ninja_stopped(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._build(self._compiler, lineno, seg, "build-failed", kind="ninja")
+
+    def _on_ext_build(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._build(self._compiler, lineno, seg, "build-failed", kind="extension", extension=m.group(1))
+
+    def _on_jit_load(self, m: re.Match, seg: str, lineno: int) -> None:
+        kind = "ninja-missing" if "ninja" in m.group(2) else "op-incompatible"
+        self._build(self._compiler, lineno, seg, "build-failed", kind=kind, op=m.group(1))
+
+    def _on_compile_error(self, m: re.Match, seg: str, lineno: int) -> None:
+        if "unsupported GNU version" in seg:
+            return  # reported by its own rule
+        self._build(self._compiler, lineno, seg, "compiler-error", kind="compile-error", file=m.group(1),
+                    detail=clip(m.group(2), 200))
+
+    def _on_ds_bf16_fp16(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._build(self._ds_config, lineno, seg, "config-error", kind="bf16-and-fp16")
+
+    def _on_ds_batch(self, m: re.Match, seg: str, lineno: int) -> None:
+        tb, mb, gas, ws = (int(x) for x in m.groups())
+        self._build(self._ds_config, lineno, seg, "config-error", kind="batch-size", train_batch_size=tb,
+                    micro_batch=mb, gradient_accumulation_steps=gas, world_size=ws)

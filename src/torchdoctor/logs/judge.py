@@ -1,0 +1,354 @@
+"""The rules that judge what the handlers collected, once the whole log is read: one ``_judge_*`` per family.
+
+The fp16 loss scale is judged in :mod:`.scale_trajectory`, killed processes in :mod:`.judge_process`; this module
+holds the rest (non-finite gradients and losses, NCCL, CUDA out-of-memory, builds, DeepSpeed config assertions)
+and the verdict on a log with none of them.
+"""
+
+from __future__ import annotations
+
+from ..advice import fp16_collapse_fix
+from ..findings import Finding
+from .common import fmt_scale
+from .judge_process import ProcessJudge
+from .scale_trajectory import judge_fp16
+
+#: Why a Trainer log shows 'loss': 0.0 for a NaN loss (transformers' trainer.py, checked in 4.x and 5.24).
+HF_HIDDEN_NAN_WHY = (
+    "why the log shows 0.0: transformers' Trainer defaults to logging_nan_inf_filter=True, which replaces a NaN/Inf "
+    "step loss by the average of the finite losses since the last log (trainer.py: `self._tr_loss += self._tr_loss / "
+    "(1 + self.state.global_step - self._globalstep_last_logged)`); when every step since the last log was NaN, "
+    "that running sum is 0 and the Trainer logs 'loss': 0.0 -- the 'grad_norm': nan on the same line is the NaN "
+    "showing through. TrainingArguments(logging_nan_inf_filter=False) logs the NaN itself"
+)
+
+
+class Judges(ProcessJudge):
+    """Mixin of :class:`~torchdoctor.logs.analyze.Analyzer`: the judging half."""
+
+    def _judge(self) -> list[Finding]:
+        self._resolve_progress()
+        out: list[Finding] = []
+        for fn in (self._judge_fp16, self._judge_grad, self._judge_loss, self._judge_nccl, self._judge_cuda_oom,
+                   self._judge_process, self._judge_build, self._judge_config):
+            out.extend(fn())
+        if self._internal_errors:
+            out.append(Finding("logs.analyzer-error", "info",
+                               f"{self._internal_errors} line(s) could not be analysed (skipped)",
+                               data={"count": self._internal_errors}))
+        if self._lines == 0:
+            if self._source == "command":
+                out.append(Finding("logs.empty", "info", "the command printed nothing (no output to analyse)",
+                                   evidence=["nothing on its stdout or stderr: if it writes its log to a file, "
+                                             "run `torchdoctor logs FILE` on that file"]))
+            else:
+                out.append(Finding("logs.empty", "info", "the log is empty (0 lines)",
+                                   evidence=["nothing to analyse: check the file name, or that the run wrote to it"]))
+        elif not any(f.severity in ("warn", "fail") for f in out):
+            ev = [f"{self._lines} lines read; checked for fp16 loss-scale collapse, non-finite loss, NCCL timeouts and "
+                  "errors, CUDA and host out-of-memory, killed processes, CUDA/compiler build failures"]
+            if self._max_step is not None:
+                ev.append(f"last step seen: {self._step}" + (f" of {self._planned}" if self._planned else ""))
+            out.append(Finding("logs.clean", "ok", f"no failure signatures in {self._lines} lines", evidence=ev,
+                               data={"lines": self._lines, "last_step": self._step}))
+        return out
+
+
+    def _skipped(self) -> int:
+        return self._scale.skipped(self._ds_skipped)
+
+    def _judge_fp16(self) -> list[Finding]:
+        last = self._loss_last
+        return judge_fp16(self._scale, max_step=self._max_step, iterations=self._iterations, planned=self._planned,
+                          ds_skipped=self._ds_skipped, loss_last_line=last["line"] if last else None,
+                          loss_recovered=self._loss_recovered, loss_nf=self._loss_nf,
+                          deepspeed=self._scale.observed_source != "GradScaler")
+
+    def _judge_grad(self) -> list[Finding]:
+        n = self._scaleless_ovf + self._static_ovf + self._norm_nf
+        if not n:
+            return []
+        ev = []
+        if self._scaleless_ovf:
+            first = next((e for e in self._timeline.items() if e["event"] == "overflow-unscaled"), None)
+            ev.append(f"{self._scaleless_ovf} step(s) skipped with non-finite gradients and no dynamic loss scale "
+                      "to lower (bf16/fp32, or a static scale)" + (f"; first at line {first['line']}" if first else ""))
+        if self._static_ovf:
+            ev.append(f"{self._static_ovf} overflow(s) at a static loss scale of {fmt_scale(self._static_scale)}")
+        if self._norm_nf:
+            f = self._norm_first
+            ev.append(f"{self._norm_nf} logged non-finite gradient norm(s); first at line {f['line']}: {f['text']}")
+        sev = "fail" if n >= 20 else "warn" if n >= 3 else "info"
+        if self._scale.dynamic and not (self._scaleless_ovf or self._static_ovf):
+            sev = "info"  # the norms of steps the fp16 scaler skipped: judged by the fp16 finding
+        hf_only = n == self._hf_norm_nf_finite_loss and self._hf_norms
+        if hf_only and self._hf_norm_nf_tail < 3 and 2 * n <= self._hf_norms:
+            # Trainer dicts with a finite loss and a nan grad_norm, among finite ones: the steps fp16 AMP skipped
+            sev = "info"
+            ev.append(f"{n} of {self._hf_norms} Trainer log dicts have a non-finite grad_norm with a finite loss, and "
+                      "later grad norms are finite: with fp16 mixed precision those are the steps the GradScaler "
+                      "skipped (it skips a step whose gradients overflow and lowers its scale), which is normal")
+        elif hf_only and self._hf_norm_nf_tail >= 3:
+            sev = "warn" if sev == "info" else sev
+            ev.append(f"the last {self._hf_norm_nf_tail} logged grad norms are all non-finite: with fp16 every step is "
+                      "being skipped (the model is not training); in bf16/fp32 the next update makes the weights nan")
+        fix = ["find where the inf/nan starts: torchdoctor.NumericsMonitor(model, optimizer=opt) stops at the first "
+               "non-finite activation or gradient and names the module",
+               "lower the learning rate or clip gradients (gradient_clipping: 1.0 in the DeepSpeed config, "
+               "max_grad_norm with the HF Trainer)"]
+        if self._static_ovf:
+            fix.insert(0, 'use dynamic loss scaling: "fp16": {"loss_scale": 0} (a static scale cannot back off)')
+        return [Finding("grad.nonfinite", sev, f"{n} step(s) with non-finite gradients", ev, fix,
+                        {"unscaled_overflows": self._scaleless_ovf, "static_scale_overflows": self._static_ovf,
+                         "nonfinite_grad_norms": self._norm_nf, "static_scale": self._static_scale})]
+
+    def _judge_loss(self) -> list[Finding]:
+        if not self._loss_nf:
+            return []
+        f, last = self._loss_first, self._loss_last
+        at = f"step {f['step']}, line {f['line']}" if f["step"] is not None else f"line {f['line']}"
+        if f["step"] is None and f.get("epoch") is not None:
+            at = f"epoch {f['epoch']:g}, line {f['line']}"
+        ev = [f"first non-finite {f['key']} ({f['value']}) at {at}: {f['text']}"]
+        if self._loss_hidden:
+            ev.append(f"{self._loss_hidden} Trainer log dict(s) with 'loss': 0.0 and 'grad_norm': nan: the loss is "
+                      "NaN there; " + HF_HIDDEN_NAN_WHY)
+        if self._loss_nf > 1:
+            ev.append(f"{self._loss_nf} non-finite loss value(s) in all; last at line {last['line']}")
+        if self._loss_recovered:
+            ev.append("finite losses were logged after the last non-finite one")
+        if self._scale.dynamic:
+            ev.append(f"the run also had {self._skipped()} fp16 overflow step(s): see fp16 findings")
+        fix = [
+            "models pretrained in bf16 (e.g. T5 and other TPU-trained checkpoints) often give nan loss in fp16: on "
+            "Ampere or newer GPUs use bf16 (--bf16, or \"bf16\": {\"enabled\": true}) or fp32",
+            "find the first layer that produces inf/nan: torchdoctor.NumericsMonitor(model, optimizer=opt), or "
+            "torchdoctor.compat.DebugUnderflowOverflow (drop-in for transformers' debug=\"underflow_overflow\")",
+            "if the loss diverged rather than overflowed: lower the learning rate, add warmup, clip gradients",
+        ]
+        if self._scale.dynamic or self._scale.observed:
+            # an fp16 run whose scale is in play: the one collapse fix (bf16 first), not a second wording of it
+            fix[0] = fp16_collapse_fix(self._scale.observed_source != "GradScaler")
+        if self._loss_hidden:
+            fix.append("TrainingArguments(logging_nan_inf_filter=False) makes the Trainer log the NaN itself")
+        sev = "warn" if self._loss_recovered else "fail"
+        if self._loss_hidden and f.get("hidden"):
+            title = (f"the loss is NaN from {at}: the Trainer logged 'loss': 0.0 with 'grad_norm': nan "
+                     f"(logging_nan_inf_filter hides a NaN loss as 0.0)")
+        else:
+            title = f"loss became {f['value']} at {at}"
+        title += " (later losses were finite)" if self._loss_recovered else ""
+        return [Finding("loss.nonfinite", sev, title, ev, fix,
+                        {"first_step": f["step"], "first_line": f["line"], "first_text": f["text"],
+                         "first_epoch": f.get("epoch"), "count": self._loss_nf, "recovered": self._loss_recovered,
+                         "hidden_by_nan_inf_filter": self._loss_hidden})]
+
+    def _judge_nccl(self) -> list[Finding]:
+        out = []
+        comm_fix = ("torchdoctor comm (under torchrun/srun, or --local N) checks that every rank can reach every "
+                    "other and names the one that cannot; --bench measures the bandwidth")
+        if self._nccl_timeout_n or self._nccl_heartbeat:
+            t = self._nccl_timeouts
+            ev = [f"line {x['line']}: {x['text']}" for x in t[:3]]
+            if self._nccl_timeout_n > 3:
+                ev.append(f"... {self._nccl_timeout_n - 3} more timeout(s)")
+            ev += [f"line {x['line']}: {x['text']}" for x in self._nccl_heartbeat[:2]]
+            if self._nccl_abort_n:
+                ev.append(f"'Some NCCL operations have failed or timed out' x{self._nccl_abort_n}: the ranks "
+                          "took the process down")
+            ranks = sorted(self._nccl_timeout_ranks)
+            first = self._nccl_timeout_first
+            if first is not None:
+                # collectives run in SeqNum order on every rank: the lowest one is where a rank stopped following
+                later = sorted({x["seq"] for x in t if x["seq"] != first["seq"]})
+                more = ""
+                if later:
+                    shown = ", ".join(map(str, later[:3])) + (", ..." if len(later) > 3 else "")
+                    more = f" (earliest; later SeqNum {shown} timed out too)"
+                secs = f" after {first['ran_ms'] / 1000:.0f} s" if first["ran_ms"] else ""
+                title = (f"NCCL collective timed out: {first['op']} SeqNum={first['seq']}{more} on rank(s) "
+                         f"{', '.join(map(str, ranks[:16])) or '?'}{secs}")
+            else:
+                title = "NCCL watchdog heartbeat timed out: a rank is hung"
+            fix = [
+                comm_fix,
+                "with a healthy network a timeout means one rank never entered the collective: find the rank missing "
+                "from these lines (stuck in data loading, a rank-0-only branch that calls a collective, uneven batch "
+                "counts); TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 dumps every rank's last "
+                "collectives",
+                "raise the timeout only for legitimately long steps (checkpoint save, first compile): "
+                "deepspeed.init_distributed(timeout=timedelta(minutes=60)), init_process_group(timeout=...), or "
+                "TrainingArguments(ddp_timeout=3600)",
+            ]
+            out.append(Finding("comm.nccl-timeout", "fail", title, ev, fix,
+                               {"count": self._nccl_timeout_n, "ranks": ranks[:256], "timeouts": list(t),
+                                "earliest": dict(first) if first is not None else None,
+                                "heartbeat_timeouts": list(self._nccl_heartbeat), "aborts": self._nccl_abort_n}))
+        if self._nccl_error_n or (self._nccl_abort_n and not out):
+            errs = self._nccl_errors
+            kinds = [e["detail"] if e["kind"] == "NCCL error" and e["detail"] else
+                     e["kind"] if not e["detail"] else f"{e['kind']}: {e['detail']}" for e in errs]
+            ev = [f"line {e['line']}: {e['text']}" for e in errs[:4]]
+            if self._nccl_error_n > 4:
+                ev.append(f"... {self._nccl_error_n - 4} more")
+            ev += [f"line {w['line']}: {w['text']}" for w in self._nccl_warns[:3]]
+            text = " ".join(kinds).lower()
+            fix = [comm_fix, "rerun with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET to see which transport fails"]
+            if "system" in text:
+                fix.append("unhandled system error: usually the network interface or shared memory: set "
+                           "NCCL_SOCKET_IFNAME to the interface that links the nodes, give containers --ipc=host or "
+                           "a larger --shm-size, try NCCL_IB_DISABLE=1 to rule out InfiniBand")
+            if "remote" in text or "aborted" in text:
+                fix.append("a remote error or an aborted communicator means another rank failed first: look for the "
+                           "earliest error or kill in the log")
+            if "cuda" in text:
+                fix.append("unhandled cuda error: a CUDA error on that rank (out of memory, illegal access); see the "
+                           "lines before it, rerun with CUDA_LAUNCH_BLOCKING=1")
+            if "internal" in text:
+                fix.append("internal error: mismatched NCCL versions between nodes or a corrupted install; compare "
+                           "torch.cuda.nccl.version() on every node (torchdoctor env)")
+            title = f"NCCL error: {kinds[0]}" if kinds else "NCCL operations failed"
+            out.append(Finding("comm.nccl-error", "fail", title, ev, fix,
+                               {"count": self._nccl_error_n, "errors": list(errs), "warnings": self._nccl_warn_n}))
+        elif self._nccl_warn_n and not out:
+            out.append(Finding("comm.nccl-warn", "info", f"{self._nccl_warn_n} NCCL warning(s), no NCCL failure",
+                               [f"line {w['line']}: {w['text']}" for w in self._nccl_warns[:3]], [],
+                               {"count": self._nccl_warn_n, "warnings": list(self._nccl_warns)}))
+        return out
+
+    def _judge_cuda_oom(self) -> list[Finding]:
+        if not self._cuda_oom_n:
+            return []
+        first = self._cuda_oom[0]
+        req = f" allocating {first['tried_to_allocate']}" if first.get("tried_to_allocate") else ""
+        where = f" on GPU {first['gpu']}" if "gpu" in first else ""
+        at = f" at step {first['step']}" if first["step"] is not None else ""
+        ev = [f"line {first['line']}: {first['text']}"]
+        if self._cuda_oom_n > 1:
+            ev.append(f"{self._cuda_oom_n} out-of-memory line(s) in all")
+        if self._gpu_mem_max:
+            ev.append(f"DeepSpeed's memory report peaked at Max_MA {self._gpu_mem_max[0]} GB, "
+                      f"Max_CA {self._gpu_mem_max[1]} GB")
+        fix = [
+            "torchdoctor ds memory --params <N> --config ds.json estimates the per-GPU model states for every ZeRO "
+            "setup: move to ZeRO-3 or offload the optimizer to CPU if they do not fit",
+            "lower train_micro_batch_size_per_gpu (per_device_train_batch_size) and raise "
+            "gradient_accumulation_steps to keep the global batch; enable activation checkpointing "
+            "(model.gradient_checkpointing_enable())",
+        ]
+        if any("reserved_unallocated" in o for o in self._cuda_oom):
+            fix.append("memory reserved but unallocated is fragmentation: "
+                       "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+        return [Finding("memory.cuda-oom", "fail", f"CUDA out of memory{where}{at}{req}", ev, fix,
+                        {"count": self._cuda_oom_n, "events": list(self._cuda_oom),
+                         "max_allocated_gb": self._gpu_mem_max[0] if self._gpu_mem_max else None,
+                         "max_cached_gb": self._gpu_mem_max[1] if self._gpu_mem_max else None})]
+
+
+    def _judge_build(self) -> list[Finding]:
+        out = []
+        env_fix = ("torchdoctor env shows torch's CUDA, every CUDA toolkit on the machine, which one builds use, and "
+                   "the host compiler")
+        if self._cuda_mismatch:
+            rank = ("fail", "warn", "info").index
+            # the most severe, and of those one that names the versions (a cut message or a raise line does not)
+            worst = min(self._cuda_mismatch, key=lambda d: (rank(d["verdict"]), d["system"] is None,
+                                                            d["torch"] is None))
+            ev = [f"line {d['line']}: {d['text']}" for d in self._cuda_mismatch[:3]]
+            what = {"fail": "extensions cannot be built", "warn": "forced with DS_SKIP_CUDA_CHECK=1",
+                    "info": "accepted: same major version, compatible APIs"}[worst["verdict"]]
+            want = worst["torch"] or "X.Y (python -c 'import torch; print(torch.version.cuda)')"
+            fix = [env_fix,
+                   f"make the toolkit match torch: install CUDA {want} and export "
+                   f"CUDA_HOME=/usr/local/cuda-{worst['torch'] or 'X.Y'} "
+                   f"PATH=/usr/local/cuda-{worst['torch'] or 'X.Y'}/bin:$PATH, or install the torch build for CUDA "
+                   f"{worst['system'] or 'the toolkit you have (nvcc --version)'}",
+                   "or prebuild the DeepSpeed ops on a matching machine: torchdoctor env --prebuild"]
+            if worst["system"] is None:
+                ev.append("torch's _check_cuda_version raises CUDA_MISMATCH_MESSAGE when nvcc's CUDA version differs "
+                          "from torch.version.cuda (torch 2.x: the major version); the message with the versions is "
+                          "cut from the log")
+            if worst["source"] == "torch traceback" or worst["source"] == "torch":
+                fix.append("DeepSpeed's op builder (ops/op_builder/builder.py: JIT ops, DS_BUILD_* installs) accepts "
+                           "a major-version mismatch with DS_SKIP_CUDA_CHECK=1, at your own risk; torch's own "
+                           "_check_cuda_version (torch.utils.cpp_extension) has no such switch")
+            versions = (f"CUDA toolkit {worst['system']} does not match torch's CUDA {worst['torch']}"
+                        if worst["system"] and worst["torch"] else
+                        f"CUDA toolkit {worst['system']} does not match torch's CUDA" if worst["system"] else
+                        "the CUDA toolkit does not match torch's CUDA (the versions are cut from the log)")
+            out.append(Finding(
+                "build.cuda-mismatch", worst["verdict"], f"{versions}: {what}",
+                ev, fix if worst["verdict"] != "info" else [], {"mismatches": list(self._cuda_mismatch)}))
+        if self._cuda_home:
+            out.append(Finding(
+                "build.cuda-home", "fail", "no CUDA toolkit found to compile CUDA ops (CUDA_HOME)",
+                [f"line {d['line']}: {d['text']}" for d in self._cuda_home[:3]],
+                [env_fix, "install the CUDA toolkit matching torch.version.cuda and export CUDA_HOME to it, or install "
+                 "DeepSpeed with DS_BUILD_OPS=0 to skip CUDA op builds"],
+                {"lines": list(self._cuda_home)}))
+        if self._compiler:
+            kinds = [d["kind"] for d in self._compiler]
+            root = next((d for d in self._compiler if d["kind"] not in ("ninja", "extension", "compile-error")),
+                        next((d for d in self._compiler if d["kind"] == "compile-error"), self._compiler[0]))
+            titles = {
+                "gcc-too-new": "the host compiler is newer than this CUDA toolkit supports",
+                "gcc-too-old": "the host compiler is older than this CUDA toolkit needs",
+                "gpu-arch": "nvcc does not know the GPU architecture requested (toolkit too old for the GPU)",
+                "nvcc": "nvcc failed",
+                "ninja-missing": "ninja is not installed: ops cannot be JIT-built",
+                "op-incompatible": "a DeepSpeed op is not compatible with this system",
+                "compile-error": "compiling an extension failed",
+                "compiler-killed": "the compiler was killed (SIGKILL) in the middle of the build: most likely the "
+                                   "kernel's OOM killer, with too many compile jobs running at once",
+                "ninja": "building an extension failed",
+                "extension": "building an extension failed",
+            }
+            fix = [env_fix]
+            if "gcc-too-new" in kinds or "gcc-too-old" in kinds:
+                v = next((d["limit"] for d in self._compiler if d.get("limit")), None)
+                gcc, gxx = (f"gcc-{v}", f"g++-{v}") if v else ("gcc-N", "g++-N")
+                fix.append(f"point the build at a supported compiler{f' (gcc {v} or older)' if v else ''}: "
+                           f"export CC={gcc} CXX={gxx} (or NVCC_PREPEND_FLAGS='-ccbin /usr/bin/{gxx}'), or link it "
+                           f"into the toolkit: sudo ln -s /usr/bin/{gcc} /usr/local/cuda/bin/gcc && "
+                           f"sudo ln -s /usr/bin/{gxx} /usr/local/cuda/bin/g++")
+            if "gpu-arch" in kinds:
+                fix.append("set TORCH_CUDA_ARCH_LIST to architectures this toolkit supports, or install a newer CUDA "
+                           "toolkit for this GPU")
+            if "compiler-killed" in kinds:
+                prog = next(d["program"] for d in self._compiler if d["kind"] == "compiler-killed")
+                fix.insert(0, f"build with fewer parallel compile jobs: each {prog} on CUDA/template-heavy code can "
+                              "take several GB of RAM, and ninja starts one per CPU core by default -- MAX_JOBS=4 (or "
+                              "1-2 on a small machine) before the build, e.g. MAX_JOBS=2 pip install ... (read by "
+                              "torch.utils.cpp_extension, which DeepSpeed's setup.py and JIT op builds use)")
+                fix.insert(1, "dmesg -T | grep -i -E 'killed process|out of memory' confirms the OOM killer; add swap "
+                              "or build on a machine with more RAM")
+            if "ninja-missing" in kinds:
+                fix.append("pip install ninja")
+            fix.append("prebuild the DeepSpeed ops once with the right settings: torchdoctor env --prebuild")
+            ext = next((d.get("extension") for d in self._compiler if d.get("extension")), None)
+            title = titles.get(root["kind"], "building an extension failed") + (f" (extension '{ext}')" if ext else "")
+            out.append(Finding("build.compiler", "fail", title,
+                               [f"line {d['line']}: {d['text']}" for d in self._compiler[:5]], fix,
+                               {"errors": list(self._compiler)}))
+        return out
+
+    def _judge_config(self) -> list[Finding]:
+        out = []
+        for d in self._ds_config:
+            if d["kind"] == "bf16-and-fp16":
+                out.append(Finding("ds.config-error", "fail", "DeepSpeed config enables both fp16 and bf16",
+                                   [f"line {d['line']}: {d['text']}"],
+                                   ['enable one: "bf16": {"enabled": true} on Ampere or newer, else fp16; with the HF '
+                                    'Trainer set both to "auto" and pass --bf16 or --fp16',
+                                    "torchdoctor ds check ds.json lints the config before a run"], dict(d)))
+            else:
+                right = d["micro_batch"] * d["gradient_accumulation_steps"] * d["world_size"]
+                out.append(Finding("ds.config-error", "fail",
+                                   f"DeepSpeed batch sizes disagree: train_batch_size {d['train_batch_size']} != "
+                                   f"{d['micro_batch']} x {d['gradient_accumulation_steps']} x {d['world_size']} ranks",
+                                   [f"line {d['line']}: {d['text']}"],
+                                   [f'set "train_batch_size": {right} (micro batch x gradient accumulation x world '
+                                    'size), or "auto" with the HF Trainer',
+                                    "torchdoctor ds check ds.json lints the config before a run"], dict(d)))
+        return out
+

@@ -1,0 +1,350 @@
+"""Reading a log: bytes or lines in, candidate segments out to the line handlers, with the step they happened at.
+
+A log is scanned in large chunks with a few C-speed searches (see :mod:`.patterns`); only the segments around
+their hits reach Python. Lines are numbered from 1 by ``\\n``; a ``\\r`` (tqdm redrawing its bar) splits a line
+into segments that are read separately but keep the line's number. Steps come from the last training progress
+bar (``28/189 [``), DeepSpeed ``step=N, skipped=S`` line or Megatron ``iteration N/ M`` line before an event, or
+from the event itself. A message printed over several lines (torch's CUDA-mismatch text) is joined with the
+lines that follow it before it is matched (``patterns.JOINS``).
+"""
+
+from __future__ import annotations
+
+import codecs
+from typing import Any
+
+from . import patterns as P
+from .common import (
+    CURRENT,
+    JOIN_MAX,
+    MAX_LINE,
+    SEG_BEFORE,
+    SEG_MAX,
+    TIMELINE_HEAD,
+    TIMELINE_TAIL,
+    HeadTail,
+    clip,
+    num,
+)
+
+_RULES = tuple((key, rx, name) for key, rx, name in P.RULES)
+
+
+class Scanner:
+    """The input side of :class:`~torchdoctor.logs.analyze.Analyzer` (its handlers and judges are mixins)."""
+
+    def _init_scan(self) -> None:
+        from collections import Counter
+
+        self._lines = 0
+        self._midline = False      # text was read since the last newline (a line not counted yet)
+        self._carry = ""
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._timeline = HeadTail(TIMELINE_HEAD, TIMELINE_TAIL)
+        self._counts: Counter[str] = Counter()
+        self._internal_errors = 0
+        self._buf = ""             # the buffer being scanned, and where its scanned part ends
+        self._buf_end = 0
+        self._seg_end = 0          # end of the segment being handled, in the buffer being scanned
+        self._nf_end: int | None = None  # end of the last non-finite-loss segment in the current buffer
+        self._join: tuple | None = None  # a message head whose continuation is in the next buffer
+        # progress
+        self._step: int | None = None
+        self._max_step: int | None = None
+        self._planned: int | None = None
+        self._ds_skipped: int | None = None
+        self._ds_step: int | None = None
+        self._iterations = 0
+        self._pending: dict[str, tuple[int, str, int, int]] = {}  # progress markers not parsed yet
+        self._pseq = 0
+        self._bar_done: tuple | None = None  # progress before a finished bar set the step (it may not be training)
+
+    # ----------------------------------------------------------------------------------------------- input
+    def feed_line(self, line: str) -> None:
+        """One line of output, with or without its trailing newline. Never raises."""
+        try:
+            if not isinstance(line, str):
+                line = bytes(line).decode("utf-8", "replace") if isinstance(line, (bytes, bytearray)) else str(line)
+            self._feed_text(line if line.endswith("\n") else line + "\n")
+        except Exception:  # noqa: BLE001 -- a log line must never stop the run it watches
+            self._internal_errors += 1
+
+    def feed_bytes(self, data: bytes) -> None:
+        """Raw bytes as they come (any split, UTF-8 decoded with replacement). Never raises."""
+        try:
+            self._feed_text(self._decoder.decode(bytes(data)))
+        except Exception:  # noqa: BLE001
+            self._internal_errors += 1
+
+    def feed_block(self, data: str | bytes, *, partial: bool = False) -> None:
+        """Many whole lines at once (``torchdoctor run`` feeds each read of a pipe this way). Never raises.
+
+        ``data`` ends with a newline (one is assumed when it does not, as ``feed_line`` does); bytes are decoded as
+        UTF-8 with replacement (split them at a newline: a character cut in two becomes U+FFFD). ``partial=True``
+        marks a piece of an overlong line that goes on in the next call: it is read and no line is counted. The
+        block goes straight to the chunk scanner of :func:`analyze_stream` -- same results as ``feed_line`` for
+        each of its lines, several times faster -- and is independent of ``feed_bytes``' pending partial line,
+        so several streams (stdout and stderr) can each be cut into whole lines and fed in any interleaving.
+        """
+        try:
+            text = str(data, "utf-8", "replace") if isinstance(data, (bytes, bytearray, memoryview)) else str(data)
+            if not text:
+                return
+            if not partial and text[-1] != "\n":
+                text += "\n"
+            self._scan(text, len(text))
+        except Exception:  # noqa: BLE001 -- a log line must never stop the run it watches
+            self._internal_errors += 1
+
+    def _flush_input(self) -> None:
+        """The end of the input: a last line without a newline, a message head that never got its continuation."""
+        try:
+            self._feed_text(self._decoder.decode(b"", final=True), final=True)
+        except Exception:  # noqa: BLE001
+            self._internal_errors += 1
+        if self._join is not None:
+            _, _, name, seg, lineno, head = self._join
+            self._join = None
+            try:
+                getattr(self, name)(head, seg, lineno)
+            except Exception:  # noqa: BLE001
+                self._internal_errors += 1
+
+    # ------------------------------------------------------------------------------------------- scanning
+    def _feed_text(self, text: str, final: bool = False) -> None:
+        buf = self._carry + text if self._carry else text
+        end = len(buf) if final else buf.rfind("\n") + 1
+        if end:
+            self._scan(buf, end)
+        self._carry = buf[end:]
+        if len(self._carry) > MAX_LINE:  # no newline for a long time (a progress bar redrawn with \r only)
+            cut = self._carry.rfind("\r") + 1 or len(self._carry)
+            self._scan(self._carry, cut)
+            self._carry = self._carry[cut:]
+        if final and self._midline:  # the last line had no newline: it counts too
+            self._lines += 1
+            self._midline = False
+
+    def _scan(self, buf: str, end: int) -> None:
+        """Handle buf[:end] (whole lines, or a piece of an overlong one): C-speed searches find the candidates."""
+        self._buf, self._buf_end = buf, end
+        if self._join is not None:
+            self._finish_join(buf, end)
+        pos = [m.start() for m in P.SCAN_RE.finditer(buf, 0, end)]
+        pos += [m.start() for m in P.EXIT_SCAN_RE.finditer(buf, 0, end)]
+        pos += [m.start() for m in P.LOSS_SCAN_RE.finditer(buf, 0, end)]
+        pos += [m.start() for m in P.NORM_SCAN_RE.finditer(buf, 0, end)]
+        for needle in P.NEEDLES:
+            i = buf.find(needle, 0, end)
+            while i >= 0:
+                pos.append(i)
+                i = buf.find(needle, i + 1, end)
+        pos.sort()
+        base, nl, counted, prev, seg_end = self._lines, 0, 0, 0, -1
+        self._nf_end = self._norm_nf_end = None
+        for p in pos:
+            if p < seg_end:
+                continue
+            # the segment around p: from the last \n or \r before it (never before the previous segment's end,
+            # so a line without newlines is not searched back to its start for every candidate) to the next one
+            ls = max(buf.rfind("\n", prev, p) + 1, prev)
+            r = buf.rfind("\r", ls, p)
+            s = r + 1 if r >= 0 else ls
+            e = buf.find("\n", p, end)
+            if e < 0:
+                e = end
+            r = buf.find("\r", p, e)
+            if r >= 0:
+                e = r
+            if e - s > SEG_MAX:  # a huge line (a blob, a bar without \r): match in a window around the candidate
+                s = max(s, p - SEG_BEFORE)
+                e = min(e, s + SEG_MAX)
+            if prev < s:
+                self._progress_region(buf, prev, s)
+            nl += buf.count("\n", counted, s)
+            counted = s
+            self._seg_end = e
+            self._segment(buf[s:e], base + nl + 1)
+            prev = seg_end = e
+        if prev < end:
+            self._progress_region(buf, prev, end)
+        if self._loss_nf and not self._loss_recovered:
+            start = self._nf_end if self._nf_end is not None else 0
+            # a finite loss after the last non-finite one; a zero is not one (the Trainer's hidden NaN, its summary)
+            if start < end and any(num(m["v"]) for m in P.FINITE_LOSS_RE.finditer(buf, start, end)):
+                self._loss_recovered = True
+        n = buf.count("grad_norm", 0, end)  # Trainer dicts: how many carry a grad norm, is a finite one the last
+        if n:
+            self._hf_norms += n
+            if self._hf_norm_nf_tail:
+                start = self._norm_nf_end if self._norm_nf_end is not None else 0
+                if start < end and P.HF_FINITE_NORM_RE.search(buf, start, end):
+                    self._hf_norm_nf_tail = 0
+        self._lines = base + nl + buf.count("\n", counted, end)
+        if end:
+            self._midline = buf[end - 1] != "\n"
+
+    # ------------------------------------------------------------------------------ messages over lines
+    def _following(self, n: int) -> list[str] | None:
+        """Up to ``n`` lines after the current segment, in this buffer; None when it ends before the first."""
+        buf, at, end = self._buf, self._seg_end, self._buf_end
+        if at < end and buf[at] != "\n":
+            return []  # the segment ended at a \r: a bar redraw, not a wrapped message
+        if at + 1 >= end:
+            return None
+        out = []
+        at += 1
+        while len(out) < n and at < end:
+            e = buf.find("\n", at, min(end, at + JOIN_MAX))
+            if e < 0:
+                e = min(end, at + JOIN_MAX)
+            out.append(buf[at:e].strip())
+            at = e + 1
+        return out
+
+    def _try_join(self, key: str, rx: Any, name: str, seg: str, lineno: int) -> bool:
+        """``seg`` starts a message that ``rx`` needs more lines for: join the next ones and retry."""
+        head_rx = P.JOINS.get(name)
+        head = head_rx.search(seg) if head_rx is not None else None
+        if head is None:
+            return False
+        nxt = self._following(2)
+        if nxt is None:  # the continuation comes with the next buffer
+            self._join = (key, rx, name, seg, lineno, head)
+            return True
+        joined = seg.rstrip()
+        for line in nxt:
+            joined += " " + line
+            m = rx.search(joined)
+            if m:
+                getattr(self, name)(m, joined, lineno)
+                return True
+        getattr(self, name)(head, seg, lineno)  # cut: what the first line says
+        return True
+
+    def _finish_join(self, buf: str, end: int) -> None:
+        key, rx, name, seg, lineno, head = self._join
+        self._join = None
+        e = buf.find("\n", 0, min(end, JOIN_MAX))
+        line = buf[: e if e >= 0 else min(end, JOIN_MAX)].strip()
+        joined = seg.rstrip() + " " + line
+        m = rx.search(joined)
+        try:
+            getattr(self, name)(m if m else head, joined if m else seg, lineno)
+        except Exception:  # noqa: BLE001
+            self._internal_errors += 1
+
+    # ------------------------------------------------------------------------------------------ progress
+    def _progress_region(self, buf: str, a: int, b: int) -> None:
+        """Note the last progress bar / DeepSpeed step line in buf[a:b]; parsed only when a step is needed."""
+        t = max(buf.rfind(P.TQDM_MARKERS[0], a, b), buf.rfind(P.TQDM_MARKERS[1], a, b))
+        d = buf.rfind(P.DS_STEP_MARKER, a, b)
+        for p, kind in sorted(((t, "tqdm"), (d, "ds"))):
+            if p >= 0:
+                self._pseq += 1
+                self._pending[kind] = (self._pseq, buf, a, p)
+
+    def _resolve_progress(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        for kind, (_, buf, a, p) in sorted(pending.items(), key=lambda kv: kv[1][0]):
+            if kind == "tqdm":
+                self._tqdm_at(buf, a, p)
+            else:
+                self._ds_step_line(self._segment_around(buf, p))
+
+    @staticmethod
+    def _segment_around(buf: str, p: int) -> str:
+        lo, hi = max(0, p - SEG_BEFORE), min(len(buf), p + SEG_MAX)  # bounded, as in _scan
+        ls = max(buf.rfind("\n", lo, p) + 1, lo)
+        r = buf.rfind("\r", ls, p)
+        s = r + 1 if r >= 0 else ls
+        e = buf.find("\n", p, hi)
+        e = hi if e < 0 else e
+        r = buf.find("\r", p, e)
+        return buf[s: r if r >= 0 else e]
+
+    def _tqdm_at(self, buf: str, a: int, p: int) -> None:
+        for _ in range(3):  # a stray "it/s" that is not a bar: try the one before
+            if self._tqdm(self._segment_around(buf, p)):
+                return
+            p = max(buf.rfind(P.TQDM_MARKERS[0], a, p), buf.rfind(P.TQDM_MARKERS[1], a, p))
+            if p < 0:
+                return
+
+    def _tqdm(self, seg: str) -> bool:
+        m = None
+        for m in P.TQDM_RE.finditer(seg):  # noqa: B007 -- the last bar in the segment
+            pass
+        if m is None:
+            return False
+        if P.TQDM_NOT_TRAINING_RE.search(seg, 0, m.start()):
+            return True  # a loading/eval bar: not the training step, and no reason to look further back
+        if m.group(1) is not None:
+            n, total = int(m.group(1)), int(m.group(2))
+            # a finished bar may be a preprocessing one: remember what it replaces (see _training_metrics)
+            self._bar_done = (self._step, self._max_step, self._planned) if n == total else None
+            self._set_step(n)
+            self._planned = total
+        else:
+            self._bar_done = None
+            self._set_step(int(m.group(3)))
+        return True
+
+    def _training_metrics(self, seg: str) -> None:
+        """A Trainer metrics dict of a run in progress after a finished bar: that bar was not the training loop
+        (a 7/7 preprocessing bar without a name), so its count is not the step."""
+        if self._bar_done is not None and "epoch" in seg and "train_runtime" not in seg:
+            self._step, self._max_step, self._planned = self._bar_done
+            self._bar_done = None
+
+    def _ds_step_line(self, seg: str) -> None:
+        m = P.DS_STEP_RE.search(seg)
+        if m:
+            self._bar_done = None
+            self._set_step(int(m.group(1)))
+            self._ds_step = int(m.group(1))
+            self._ds_skipped = int(m.group(2))
+
+    def _set_step(self, n: int) -> None:
+        self._step = n
+        if self._max_step is None or n > self._max_step:
+            self._max_step = n
+
+    def _segment(self, seg: str, lineno: int) -> None:
+        if "\x1b" in seg:
+            seg = P.ANSI_RE.sub("", seg)
+        if "it/s" in seg or "s/it" in seg:
+            self._resolve_progress()
+            self._tqdm(seg)
+        if "skipped=" in seg:
+            self._resolve_progress()
+            self._ds_step_line(seg)
+        fired: set[str] = set()
+        for key, rx, name in _RULES:
+            if key in seg and name not in fired:
+                m = rx.search(seg)
+                if m is None and name not in P.JOINS:
+                    continue
+                if not fired:
+                    self._resolve_progress()
+                fired.add(name)
+                try:
+                    if m is not None:
+                        getattr(self, name)(m, seg, lineno)
+                    elif not self._try_join(key, rx, name, seg, lineno):
+                        fired.discard(name)
+                except Exception:  # noqa: BLE001 -- one odd line must not cost the rest of the log
+                    self._internal_errors += 1
+
+    def _event(self, lineno: int, event: str, seg: str, step: Any = CURRENT) -> dict:
+        e = {"line": lineno, "step": self._step if step is CURRENT else step, "event": event, "text": clip(seg)}
+        self._timeline.append(e)
+        self._counts[event] += 1
+        return e
+
+    @staticmethod
+    def _rank(seg: str) -> int | None:
+        m = P.RANK_PREFIX_RE.match(seg)
+        return int(m.group(1)) if m else None
