@@ -99,10 +99,16 @@ def test_defects_transformers_has_are_absent():
     assert "output has infs" in out.getvalue()
     d.remove()
     assert not any(m._forward_hooks for m in model.modules())
-    # constructing twice refuses instead of doubling every hook
+    # constructing twice (Trainer.train() called twice) replaces the first detector: hooks never doubled
     DebugUnderflowOverflow(model)
-    with pytest.raises(RuntimeError, match="already watched"):
-        DebugUnderflowOverflow(model)
+    hooks = {name: len(m._forward_hooks) for name, m in model.named_modules()}
+    second = DebugUnderflowOverflow(model)
+    assert {name: len(m._forward_hooks) for name, m in model.named_modules()} == hooks
+    with contextlib.redirect_stdout(io.StringIO()) as out, pytest.raises(ValueError, match="inf/nan detected"):
+        model(**gpt2_batch(0))
+    assert out.getvalue().count("Detected inf/nan during batch_number=0") == 1  # one detector speaks
+    second.remove()
+    assert not any(m._forward_hooks for m in model.modules())
 
 
 def test_bool_and_empty_inputs_do_not_crash():

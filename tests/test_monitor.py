@@ -773,3 +773,102 @@ def test_huge_finite_gradients_whose_sum_overflows_are_not_called_non_finite():
         with pytest.raises(NonFiniteError) as exc:
             opt.step()
     assert exc.value.first.slot == "grad:weight"
+
+
+class Switch(torch.nn.Module):
+    """Identity, or inf when switched on: a step that goes bad on demand."""
+
+    on = False
+
+    def forward(self, x):
+        return x * float("inf") if self.on else x
+
+
+def test_weights_in_context_frames_are_the_ones_that_frame_ran_with():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Switch())
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ran_with = []
+    with NumericsMonitor(model, optimizer=opt) as mon, pytest.raises(NonFiniteError) as exc:
+        for step in range(3):
+            model[1].on = step == 2
+            ran_with.append(model[0].weight.detach().abs().max().item())
+            model(torch.randn(2, 4)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert exc.value.first.step == 2 and mon.report is not None and mon.report.step == 2
+    shown = {f.step: next(ln.abs_max for ln in f.lines if ln.label == "weight")
+             for f in exc.value.details.frames if f.name == "0"}
+    assert set(shown) == {0, 1, 2}
+    assert len(set(ran_with)) == 3  # the updates did change the weight
+    for step, value in shown.items():
+        assert value == pytest.approx(ran_with[step], rel=1e-6)
+
+
+def test_batchnorm_statistics_are_put_back_and_the_loop_is_still_watched(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [torch.randn(8, 4) for _ in range(6)]
+    for i in (1, 4):
+        batches[i][0, 0] = float("inf")
+    bn, reported = model[1], []
+    with NumericsMonitor(model, optimizer=opt, report_dir=tmp_path):
+        for x in batches:
+            before = [t.clone() for t in (*bn.buffers(), *model.parameters())]
+            try:
+                model(x).sum().backward()
+                opt.step()
+            except NonFiniteError as e:
+                reported.append(e.first.step)
+                after = [*bn.buffers(), *model.parameters()]
+                assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+                assert any("buffer(s)" in note for note in e.details.notes)
+            opt.zero_grad()
+    assert reported == [1, 3]  # a refused step is tried again under the same number
+    assert all(torch.isfinite(b.float()).all() for b in bn.buffers())
+
+
+def test_a_loop_calling_only_a_submodule_is_checked_and_its_frames_stay_bounded():
+    model = tiny_gpt2()
+    ids = gpt2_batch()["input_ids"]
+    with NumericsMonitor(model) as mon:  # no optimizer: steps end at each outermost call
+        for _ in range(200):
+            model.transformer(ids).last_hidden_state.sum().backward()
+        held = len(mon._rec.frames) + sum(len(r.frames) for r in mon._history)
+        per_call = len(mon._rec.frames)
+        assert per_call and held <= per_call + mon.max_frames
+        assert mon.step_index == 199
+        with torch.no_grad():
+            model.transformer.h[1].mlp.c_fc.weight[0, 0] = float("nan")
+        with pytest.raises(NonFiniteError) as exc:
+            for _ in range(2):  # the bad call's step is closed when the next call starts
+                model.transformer(ids).last_hidden_state.sum().backward()
+    assert exc.value.first.module.startswith("transformer.h.1")
+
+
+def test_a_new_monitor_replaces_one_that_has_reported():
+    model = boom_mlp()
+    first = NumericsMonitor(model)
+    with pytest.raises(NonFiniteError):
+        model(torch.randn(4, 8)).sum().backward()
+        first.step()
+    hooks = sum(len(m._forward_hooks) for m in model.modules())
+    second = NumericsMonitor(model)  # first is still watching (a caught error), yet it reported
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks
+    assert not first._active and second._active
+    second.close()
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_gradients_left_by_a_reported_step_are_not_reported_again():
+    model = boom_mlp()
+    with NumericsMonitor(model) as mon:
+        model(torch.randn(4, 8)).sum().backward()
+        with pytest.raises(NonFiniteError):
+            mon.step()
+        mon.step()  # nothing ran since: the inf gradients still there belong to the reported step
+        model.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        with pytest.raises(NonFiniteError):  # a new backward that blows up is reported again
+            mon.step()

@@ -7,9 +7,16 @@ It is built on the numerics monitor's on-device engine, so it reads the device o
 instead of ~4 times per tensor, and it has none of the known defects: hooks are removable
 (``.remove()``) and never doubled, the frame buffer stays bounded after a traced batch, an inf in a
 traced batch does not abort the next batch, bool / empty / meta tensors are fine, keyword inputs and
-dict / ``ModelOutput`` / list outputs are shown (as extra lines after the ones transformers prints),
-recomputation under gradient checkpointing is not taken for new frames, and under torch.distributed
-every line carries its rank.
+dict / ``ModelOutput`` / list outputs are shown (as extra lines after the ones transformers prints)
+but, as in transformers, never judged, recomputation under gradient checkpointing is not taken for new
+frames, and under torch.distributed every line carries its rank.
+
+It also behaves where transformers' class misbehaves: a loop that calls only a submodule
+(``model.transformer(...)``, ``model.get_encoder()(...)``) is checked when that outermost call ends and
+its batch number stays, as in transformers, where it is; after a caught ``ValueError`` the loop is still
+watched (transformers raises again at every later call), and the module buffers (``BatchNorm``
+statistics) are put back as the batch began; making a second detector on the same model (what
+``Trainer.train()`` called twice does) replaces the first.
 
 Example::
 
@@ -20,7 +27,9 @@ Example::
 from __future__ import annotations
 
 import math
+import sys
 from collections import deque
+from enum import Enum
 
 from torch import nn
 
@@ -30,7 +39,14 @@ from .numerics.overflow import detect_overflow
 from .numerics.render import PREFIX, format_frame, hf_header
 from .numerics.report import build_report
 
-__all__ = ["DebugUnderflowOverflow", "detect_overflow"]
+__all__ = ["DebugOption", "DebugUnderflowOverflow", "detect_overflow"]
+
+
+class DebugOption(str, Enum):
+    """transformers' ``DebugOption`` (the ``TrainingArguments(debug=...)`` values), equal to its members."""
+
+    UNDERFLOW_OVERFLOW = "underflow_overflow"
+    TPU_METRICS_DEBUG = "tpu_metrics_debug"
 
 _DETECTED = (
     "DebugUnderflowOverflow: inf/nan detected, aborting as there is no point running further. "
@@ -43,7 +59,9 @@ class DebugUnderflowOverflow:
 
     Args:
         model (nn.Module): the model to debug.
-        max_frames_to_save (int): how many frames back to print on detection. Defaults to 21.
+        max_frames_to_save (int, optional): how many frames back to print on detection. Defaults to 21;
+            None keeps every frame since the last detection, as transformers' unbounded deque does (memory
+            then grows with the run).
         trace_batch_nums (list[int], optional): batches whose every frame is printed (detection is off
             for them).
         abort_after_batch_num (int, optional): raise ``ValueError`` once this batch has finished.
@@ -52,7 +70,7 @@ class DebugUnderflowOverflow:
     def __init__(
         self,
         model: nn.Module,
-        max_frames_to_save: int = 21,
+        max_frames_to_save: int | None = 21,
         trace_batch_nums: list[int] | None = None,
         abort_after_batch_num: int | None = None,
     ) -> None:
@@ -60,7 +78,8 @@ class DebugUnderflowOverflow:
         self.max_frames_to_save = max_frames_to_save
         self.trace_batch_nums = list(trace_batch_nums or [])
         self.abort_after_batch_num = abort_after_batch_num
-        self._engine = _HFEngine(self, model, max_frames=max_frames_to_save)
+        frames = sys.maxsize if max_frames_to_save is None else max_frames_to_save
+        self._engine = _HFEngine(self, model, max_frames=frames)
 
     @property
     def batch_number(self) -> int:
@@ -96,9 +115,9 @@ class _HFEngine(NumericsMonitor):
     def _overflow_messages(self, frame: ResolvedFrame) -> None:
         """transformers prints "<slot> has nans" and/or "<slot> has infs" while it measures a frame."""
         for line in frame.lines:
-            if line.finite:
+            if line.finite or not line.judged:  # transformers checks only what it sees
                 continue
-            has_nan = math.isnan(line.abs_max)
+            has_nan = math.isnan(line.abs_max) or bool(line.has_nan)
             if has_nan:
                 self._print(f"{line.label} has nans")
             if not has_nan or line.has_inf:
@@ -112,8 +131,11 @@ class _HFEngine(NumericsMonitor):
         return "\n".join(lines)
 
     def _close_step(self, source: str, abort_check: bool = True) -> None:
+        """A batch ended (``source="loose"``: a submodule called on its own ended, and the batch number
+        stays, as in transformers, whose counter moves only at the root module)."""
         owner = self._owner
         batch = self.step_index
+        advance = source != "loose"
         if not self._rec.frames:
             return
         if batch in owner.trace_batch_nums:
@@ -122,23 +144,21 @@ class _HFEngine(NumericsMonitor):
                 self._overflow_messages(frame)
                 self._print(self._hf_frame(frame))
             self._history.clear()  # transformers starts its frame buffer afresh after a traced batch
-            self._rotate_step_only()
+            self._rotate(advance, keep=False)
         else:
             flag = self._rec.activation_flag()
             ok = True if flag is None else bool(flag.item())  # the one host sync
             if not ok:
-                self._dump(batch)
+                self._dump(batch, root_ran=advance)
                 raise ValueError(_DETECTED)
-            self._rotate()
+            self._rotate(advance)
+        if not advance:
+            return
         if owner.abort_after_batch_num is not None and self.step_index > owner.abort_after_batch_num:
             raise ValueError(
                 f"DebugUnderflowOverflow: aborting after {self.step_index} batches due to"
                 f" `abort_after_batch_num={owner.abort_after_batch_num}` arg"
             )
-
-    def _rotate_step_only(self) -> None:
-        self.step_index += 1
-        self._new_step()
 
     def _on_root_forward_failed(self) -> None:
         """transformers raises its ValueError from the first bad module's hook, before the forward can
@@ -167,4 +187,5 @@ class _HFEngine(NumericsMonitor):
         if report.fix:
             self._print(f"torchdoctor fix: {report.fix}")
         self.report = report
-        self._stop()
+        # transformers' counter moved only if the root's hook ran; otherwise the same batch goes on
+        self._after_detection(advance=root_ran, continued=not root_ran)

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .buffers import saved_buffers
 from .frames import BWD, ModuleInfo, ResolvedFrame
 from .report import NonFiniteReport, backward_consumer, build_report
 from .slots import output_slots
@@ -201,14 +202,13 @@ def _eager_everywhere() -> Iterator[None]:
 def rerun(mon: NumericsMonitor, call: RootCall, backward: bool) -> None:
     """Re-run one micro-batch of the model eagerly into the monitor's current (fresh) record; state is put back."""
     model = mon.model
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     cpu_now = torch.get_rng_state()
     cuda_now = torch.cuda.get_rng_state(call.cuda_rng[0]) if call.cuda_rng is not None else None
     torch.set_rng_state(call.cpu_rng)
     if call.cuda_rng is not None:
         torch.cuda.set_rng_state(call.cuda_rng[1], call.cuda_rng[0])
     try:
-        with _eager_everywhere(), _NoCollectives():
+        with saved_buffers(model.buffers()), _eager_everywhere(), _NoCollectives():
             if not backward:
                 with torch.no_grad():
                     model._call_impl(*call.args, **call.kwargs)
@@ -225,9 +225,6 @@ def rerun(mon: NumericsMonitor, call: RootCall, backward: bool) -> None:
             if outs and params:
                 torch.autograd.grad(outs, params, grads, allow_unused=True)
     finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
         torch.set_rng_state(cpu_now)
         if cuda_now is not None:
             torch.cuda.set_rng_state(cuda_now, call.cuda_rng[0])

@@ -48,12 +48,16 @@ class Slot:
     inf_ref: StatRef | None = None  # compat mode: "also holds an inf" (abs max alone says only nan)
     scope: str | None = None  # what the statistics cover when not the whole tensor ("local shard")
     param: bool = False  # a direct parameter measured while the module ran (ZeRO-3 gathers it only then)
+    judged: bool = True  # may this slot stop the run? (inputs, and in compat mode what transformers never sees, not)
+    nan_ref: StatRef | None = None  # compat mode, complex: "also holds a nan" (|inf + nan j| is inf)
 
 
 @dataclass(slots=True, eq=False)
 class Frame:
     """One module call in one phase. ``with_params``/``with_param_grads`` ask :func:`resolve` to add
-    the module's direct parameters (or their gradients) when the report is built."""
+    the module's direct parameters (or their gradients) when the report is built; ``weights`` holds
+    them instead once the step is over (measured before the update, so a later report shows the
+    weights this frame ran with)."""
 
     step: int
     phase: str
@@ -63,6 +67,7 @@ class Frame:
     with_param_grads: bool = False
     first_of_step: bool = False
     source_ref: StatRef | None = None  # bwd: the forward output whose gradient this frame measures
+    weights: list[Slot] | None = None  # the direct parameters as measured when the step ended
 
 
 @dataclass(slots=True)
@@ -78,6 +83,8 @@ class Line:
     ref: StatRef | None = None  # identity of the measured tensor within its step
     has_inf: bool | None = None  # known only in compat mode and for tensors measured at report time
     scope: str | None = None  # "local shard": the statistics cover this rank's part of the tensor
+    judged: bool = True
+    has_nan: bool | None = None  # complex values only (abs max says nan for a real tensor)
 
     @property
     def finite(self) -> bool:
@@ -135,11 +142,12 @@ def measure(buffer: StatBuffer, label: str, value: Any, judged: bool = True, par
         reason = shard_skip_reason(value, scope)
         if reason is not None:
             scope = None if reason == ELSEWHERE else scope
-            return Slot(label, kind=reason, dtype=value.dtype, scope=scope, param=param)
-        return Slot(label, ref=buffer.add(value, judged), dtype=value.dtype, scope=scope, param=param)
+            return Slot(label, kind=reason, dtype=value.dtype, scope=scope, param=param, judged=judged)
+        ref = buffer.add(value, judged)
+        return Slot(label, ref=ref, dtype=value.dtype, scope=scope, param=param, judged=judged)
     if value is None:
-        return Slot(label, kind="None")
-    return Slot(label, kind=NOT_A_TENSOR)
+        return Slot(label, kind="None", judged=judged)
+    return Slot(label, kind=NOT_A_TENSOR, judged=judged)
 
 
 def measure_now(label: str, t: torch.Tensor | None, param: bool = False) -> Line:
@@ -154,12 +162,26 @@ def measure_now(label: str, t: torch.Tensor | None, param: bool = False) -> Line
     if reason is not None:
         return Line(label, kind=reason, dtype=t.dtype, param=param, scope=scope)
     mn, mx = abs_min_max(t)
-    values = torch.stack([mn.double(), mx.double(), has_inf(t).double()]).cpu().tolist()
-    return Line(label, values[0], values[1], dtype=t.dtype, param=param, has_inf=bool(values[2]), scope=scope)
+    nan = torch.isnan(t).any() if t.dtype.is_complex else torch.zeros((), dtype=torch.bool, device=t.device)
+    values = torch.stack([mn.double(), mx.double(), has_inf(t).double(), nan.double()]).cpu().tolist()
+    has_nan = bool(values[3]) if t.dtype.is_complex else None
+    return Line(label, values[0], values[1], dtype=t.dtype, param=param, has_inf=bool(values[2]), scope=scope,
+                has_nan=has_nan)
 
 
-def resolve(frames: list[Frame], values: dict) -> list[ResolvedFrame]:
-    """Join frames with host-read statistics; measure parameters and their gradients now."""
+def _line(s: Slot, values: dict) -> Line:
+    if s.ref is None:
+        return Line(s.label, kind=s.kind, dtype=s.dtype, param=s.param, scope=s.scope, judged=s.judged)
+    mn, mx = lookup(values, s.ref)
+    has_inf = bool(lookup(values, s.inf_ref)[0]) if s.inf_ref is not None else None
+    has_nan = bool(lookup(values, s.nan_ref)[0]) if s.nan_ref is not None else None
+    return Line(s.label, mn, mx, dtype=s.dtype, param=s.param, ref=s.ref, has_inf=has_inf, scope=s.scope,
+                judged=s.judged, has_nan=has_nan)
+
+
+def resolve(frames: list[Frame], values: dict, weight_values: dict | None = None) -> list[ResolvedFrame]:
+    """Join frames with host-read statistics (``weight_values``: the step's weights measured as it
+    ended); measure the parameters not measured then, and the gradients, now."""
     out: list[ResolvedFrame] = []
     for f in frames:
         rf = ResolvedFrame(
@@ -167,17 +189,12 @@ def resolve(frames: list[Frame], values: dict) -> list[ResolvedFrame]:
             boundary=f.info.boundary,
         )
         module = f.info.module()
-        if f.with_params and module is not None:
+        if f.weights is not None:
+            rf.lines.extend(_line(s, weight_values) for s in f.weights)
+        elif f.with_params and module is not None:
             for pname, p in module.named_parameters(recurse=False):
                 rf.lines.append(measure_now(pname, p, param=True))
-        for s in f.slots:
-            if s.ref is not None:
-                mn, mx = lookup(values, s.ref)
-                has_inf = bool(lookup(values, s.inf_ref)[0]) if s.inf_ref is not None else None
-                rf.lines.append(Line(s.label, mn, mx, dtype=s.dtype, param=s.param, ref=s.ref, has_inf=has_inf,
-                                     scope=s.scope))
-            else:
-                rf.lines.append(Line(s.label, kind=s.kind, dtype=s.dtype, param=s.param, scope=s.scope))
+        rf.lines.extend(_line(s, values) for s in f.slots)
         if f.with_param_grads and module is not None:
             for pname, p in module.named_parameters(recurse=False):
                 if p.requires_grad:

@@ -51,7 +51,7 @@ class Judging:
     def _resolved(records: list[StepRecord]) -> list[ResolvedFrame]:
         out: list[ResolvedFrame] = []
         for r in records:
-            out.extend(resolve(r.frames, r.buffer.read()))
+            out.extend(resolve(r.frames, r.buffer.read(), r.weights.read() if r.weights is not None else None))
         return out
 
     def _param_grad_frames(self, step: int) -> list[ResolvedFrame]:

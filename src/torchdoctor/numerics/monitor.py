@@ -25,18 +25,25 @@ accelerate and the HF Trainer, a DeepSpeed engine at any ZeRO stage. Compiled re
 
 Module *inputs* are shown as context but do not by themselves stop a run (an additive ``-inf``
 attention mask is a legitimate input); outputs, gradients, weights and marks do. After a
-``NonFiniteError`` the monitor stops checking: close it and attach a new one to keep watching.
+``NonFiniteError`` nothing of the step is kept: the update was refused and the module buffers
+(``BatchNorm`` running statistics) are put back as the step began (:mod:`.buffers`); a loop that
+catches the error and goes on is watched from the next step on.
 
 Step boundaries, in order of preference: an optimizer step pre-hook (``optimizer=``; a non-finite
 update is never applied), ``scaler.update()`` of a loss scaler passed as ``scaler=`` (a step the
 scaler skipped), an explicit :meth:`NumericsMonitor.step`, or else the end of each forward of the root
-module. Steps are numbered from 0, like transformers' batch numbers.
+module (or of the outermost watched module, when a loop calls only a submodule: ``model.transformer(...)``).
+Steps are numbered from 0, like transformers' batch numbers. Earlier steps are kept as context only as far
+as a report can show them (``max_frames`` frames), with the weights those frames ran with, measured as
+their step ended (before the update when the optimizer is hooked).
 
 Known limitations:
   - A loss scaler that is not passed as ``scaler=`` is recognised by its effect: a new forward starts
     after a backward while every gradient is None (``zero_grad()`` without an optimizer step). With
     ``zero_grad(set_to_none=False)`` such skipped steps are merged into the next step.
-  - Parameters shown in frames of an earlier step are measured as they are now.
+  - Without a hooked optimizer (steps ending at the next forward), the weights kept with an earlier step
+    are measured after an update made before that forward.
+  - Non-persistent buffers (derived tables, caches) are not put back after a detection.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
+from .buffers import BufferGuard
 from .compiled import Region, Regions
 from .engines import MonitorWarning, select_engine
 from .errors import AbortAfterStep, NonFiniteError
@@ -186,6 +194,8 @@ class NumericsMonitor(Recording, Judging):
         self._self_bad = False  # this rank's own flags in the step being judged
         self._measured_params: dict[int, list] = {}  # ZeRO-3: weights measured as their module's forward began
         self._history: deque[StepRecord] = deque()
+        self._buffers: BufferGuard | None = None
+        self._just_reported = False  # a report was made and nothing has run since
         self._handles: list[Any] = []
         self._restore: list[tuple[Any, str, Any, Any]] = []
         self._active = False
@@ -201,6 +211,10 @@ class NumericsMonitor(Recording, Judging):
     def _attach(self) -> None:
         engine = self._engine
         modules = list(engine.modules())
+        for old in {id(o): o for _, m in modules if (o := _WATCHED.get(m)) is not None}.values():
+            if old._replaceable_by(self):
+                log.info("torchdoctor: a new monitor on this model replaces the previous one")
+                old.close()
         taken = [name or "<root>" for name, m in modules if m in _WATCHED]
         if taken:
             raise RuntimeError(
@@ -228,12 +242,19 @@ class NumericsMonitor(Recording, Judging):
             )
         self._regions.install(self)
         engine.install(self)
+        self._buffers = BufferGuard(m for _, m in modules)
+        self._buffers.start()
         self._active = True
         if not self._optimizer_hooked() and not self._hf:
             self._hook_param_grads()
         engine.attach_grad_watch(self)
         if not self._hf:  # transformers reports broken weights in the first forward's frames instead
             self._check_weights_once()
+
+    def _replaceable_by(self, new: NumericsMonitor) -> bool:
+        """A detector made again on the same model (``Trainer.train()`` twice) replaces the previous one;
+        so does any monitor once this one has reported. Two live monitors are refused."""
+        return (self._hf and new._hf) or self.report is not None
 
     def add_handle(self, handle: Any) -> None:
         """Keep a hook handle; close() removes it."""
@@ -298,8 +319,10 @@ class NumericsMonitor(Recording, Judging):
         if getattr(self, "_active", False):
             self.close()
 
-    def _new_step(self) -> None:
-        self._rec = StepRecord()
+    def _new_step(self, continued: bool = False) -> None:
+        self._rec = StepRecord(continued=continued)
+        if self._buffers is not None:
+            self._buffers.start()
 
     def _steps_end_at_forward(self) -> bool:
         return self.optimizer is None and not self._manual and self.scaler is None
@@ -360,7 +383,9 @@ class NumericsMonitor(Recording, Judging):
         act_ok = rec.activation_flag()  # activations, module-level and engine-collected gradients
         if self._deferred_report is not None:
             act_ok = torch.zeros((), dtype=torch.bool)
-        check_grads = self.grads != "none" and (source != "forward" or rec.backward_ran)
+        # nothing ran since a reported step: gradients still there are that step's (its zero_grad() was skipped)
+        stale = rec.empty and self._just_reported
+        check_grads = self.grads != "none" and not stale and (source != "forward" or rec.backward_ran)
         grad_flags = self._engine.grad_flags(self._params, exact=False) if check_grads else []
         ok, self._self_bad = self._verdict(act_ok, all_finite(grad_flags + rec.stored_grad_flags()))
         if not ok and check_grads:  # the fast gradient check can overflow on huge finite values: ask exactly
@@ -404,21 +429,42 @@ class NumericsMonitor(Recording, Judging):
             "Gradients are still checked.", MonitorWarning, stacklevel=4,
         )
 
-    def _rotate(self) -> None:
-        """Keep recent steps (unread, on device) as context for a report, then start a new step."""
+    def _rotate(self, advance: bool = True, keep: bool = True) -> None:
+        """Keep recent steps (unread, on device) as context for a report, then start a new step
+        (``advance=False``: a new record of the same step, compat's submodule-only calls)."""
         rec = self._rec
         rec.root_calls = []  # inputs kept for a re-run: not beyond their step
-        if rec.frames:
+        if rec.frames and keep:
+            rec.keep_for_context(self.max_frames)
+        if rec.frames and keep:
             self._history.append(rec)
             kept = 0
             for i in range(len(self._history) - 1, -1, -1):
                 kept += len(self._history[i].frames)
-                if kept > self.max_frames:
+                if kept >= self.max_frames:
                     for _ in range(i):
                         self._history.popleft()
                     break
-        self.step_index += 1
-        self._new_step()
+        if advance:
+            self.step_index += 1
+        self._just_reported = False
+        self._new_step(continued=not advance)
+
+    def _after_detection(self, advance: bool = False, continued: bool = False) -> int:
+        """A detection was reported: put the buffers back as the step began, forget the step and its
+        context, and go on watching (a loop that catches the error goes on). The step number stays: its
+        update was refused, so the next try is the same step (compat passes transformers' counting).
+        How many buffers were put back."""
+        restored = self._buffers.restore() if self._buffers is not None else 0
+        self._history.clear()
+        self._deferred_report = None
+        self._stash = None
+        self._forward_pending = False
+        if advance:
+            self.step_index += 1
+        self._new_step(continued)
+        self._just_reported = True
+        return restored
 
     def _check_abort_after(self, step: int) -> None:
         if self.abort_after_step is not None and step >= self.abort_after_step:
@@ -438,9 +484,15 @@ class NumericsMonitor(Recording, Judging):
         self._release_modules()
 
     def _finish(self, report: NonFiniteReport) -> None:
-        """Keep the report, stop, and write it to disk before anything is raised."""
+        """Keep the report, put the buffers back, write the report to disk before anything is raised, and go on
+        watching from a fresh step."""
         self.report = report
-        self._stop()
+        restored = self._after_detection()
+        if restored:
+            report.notes.append(
+                f"{restored} module buffer(s) (e.g. BatchNorm running statistics) were put back as they were "
+                "when this step began."
+            )
         try:
             report.write(self.report_dir)
         except Exception as e:  # never let a full disk (or anything else) hide the finding itself

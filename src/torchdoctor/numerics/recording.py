@@ -22,11 +22,14 @@ from torch import nn
 
 from .compiled import Region, keep_output_grads, root_call
 from .frames import BWD, FWD, MARK, Frame, ModuleInfo, Slot, measure
-from .slots import input_slots, output_slots
+from .slots import output_slots, visible_inputs, visible_outputs
 from .stats import finite_flags_of
 from .step import StepRecord
 
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
 
 
 def _graph_task() -> int:
@@ -57,23 +60,48 @@ class Recording:
         alone = not self._root_depth and not info.is_root and not self._rerunning
         if alone and not torch.is_grad_enabled() and not self._hf:
             return  # a submodule called on its own under no_grad (e.g. generate() running the encoder)
+        if alone and self._forward_pending:  # a submodule-only call ended the previous forward: close it
+            self._forward_pending = False
+            self._close_step("forward")
         self._record_call(info, module, args, kwargs, output)
         if info.is_root and self._root_depth <= 1 and not self._rerunning:
             self._root_done = True
             self._on_root_forward_end()
+        elif alone and self._outermost_call(module):
+            self._on_loose_call_end()
+
+    def _outermost_call(self, module: nn.Module) -> bool:
+        """Is no other watched module's forward on the Python stack (``model.transformer(...)`` itself, not
+        one of the blocks it runs)? Asked only for calls outside a forward of the root module."""
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL:
+                caller = frame.f_locals.get("self")
+                if caller is not module and id(caller) in self._infos:
+                    return False
+            frame = frame.f_back
+        return True
+
+    def _on_loose_call_end(self) -> None:
+        """The outermost watched call of a loop that never calls the root module ended: a step (or, in compat
+        mode, a check) boundary, so that such a loop is checked and its frames never pile up."""
+        if self._hf:
+            self._close_step("loose")
+        elif self._stash is None and self._steps_end_at_forward():
+            self._forward_pending = True  # closed at the next call, step() or leaving the with block
 
     def _record_call(self, info: ModuleInfo, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """One forward frame: the module's inputs (context) and outputs (judged)."""
         rec = self._rec
         hf = self._hf
-        judge_inputs = hf  # transformers stops on a non-finite input; we show inputs as context
         at_forward = self._engine.params_at_forward
         slots = self._measured_params.pop(id(module), []) if at_forward else []
-        slots += [rec.slot(label, v, judge_inputs, hf) for label, v in input_slots(args, kwargs, hf)]
-        slots += [rec.slot(label, v, True, hf) for label, v in output_slots(output, hf)]
-        rec.frames.append(
-            Frame(self.step_index, FWD, info, slots, with_params=not at_forward, first_of_step=not rec.frames)
-        )
+        # transformers stops on a non-finite positional input, and only on what it sees (never on a keyword
+        # input or a tensor inside a dict / ModelOutput); the monitor shows inputs as context
+        slots += [rec.slot(label, v, hf and seen, hf) for label, v, seen in visible_inputs(args, kwargs, hf)]
+        slots += [rec.slot(label, v, seen or not hf, hf) for label, v, seen in visible_outputs(output, hf)]
+        first = not rec.frames and not rec.continued
+        rec.frames.append(Frame(self.step_index, FWD, info, slots, with_params=not at_forward, first_of_step=first))
         if torch.is_grad_enabled():
             if self.grads == "modules":
                 self._hook_grads(info, output)

@@ -127,7 +127,7 @@ def find_first_bad(
         for i in range(start, len(frames)):
             for line in frames[i].lines:
                 late = line.label.startswith("grad:") and line.ref is None
-                if line.finite or (timely and late) or (line.param and not judge_params):
+                if line.finite or not line.judged or (timely and late) or (line.param and not judge_params):
                     continue
                 if judge_inputs or not line.label.startswith("input"):
                     return i, line

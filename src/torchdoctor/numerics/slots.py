@@ -10,6 +10,10 @@ and yields ``(label, value)`` pairs for the leaves, with labels in the transform
 (it expands only the positional-input tuple, an output tuple and a tuple inside it, and prints
 ``not a tensor`` for anything else) and adds our extra lines (keyword inputs, contents of dicts,
 lists, dataclasses) right after the line transformers would print.
+
+Each leaf also says whether transformers itself reaches it (``visible``): only those are judged in
+compat mode, so that a value transformers never looks at (an ``-inf`` ``attn_mask=`` keyword, a
+tensor inside a ``ModelOutput``) is shown but never stops a run transformers would let go on.
 """
 
 from __future__ import annotations
@@ -37,42 +41,58 @@ def _children(value: Any) -> list[tuple[str, Any]] | None:
     return None
 
 
-def _walk(value: Any, label: str, depth: int, hf_visible_depth: int, hf: bool) -> Iterator[tuple[str, Any]]:
-    """Yield leaves under ``value``.
+def _walk(
+    value: Any, label: str, depth: int, hf_visible_depth: int, hf: bool, visible: bool = True
+) -> Iterator[tuple[str, Any, bool]]:
+    """Yield ``(label, leaf, visible)`` under ``value``.
 
     ``hf_visible_depth`` is how many more tuple levels transformers itself would expand here; when a
     container is one transformers would not expand, in compat mode we first yield its
     "not a tensor" line (the line transformers prints) and then our expansion of it.
     """
     if isinstance(value, torch.Tensor) or value is None:
-        yield label, value
+        yield label, value, visible
         return
     children = _children(value)
     if children is None or depth >= _MAX_DEPTH:
-        yield label, NOT_A_TENSOR
+        yield label, NOT_A_TENSOR, visible
         return
     hf_expands = isinstance(value, tuple) and hf_visible_depth > 0
     if hf and not hf_expands:
-        yield label, NOT_A_TENSOR
+        yield label, NOT_A_TENSOR, visible
     for name, child in children:
         # ModelOutput drops None fields from .items(); dataclass fields may be None: keep them labelled
-        yield from _walk(child, f"{label}[{name}]", depth + 1, hf_visible_depth - 1 if hf_expands else 0, hf)
+        depth_left = hf_visible_depth - 1 if hf_expands else 0
+        yield from _walk(child, f"{label}[{name}]", depth + 1, depth_left, hf, visible and hf_expands)
 
 
-def input_slots(args: tuple, kwargs: Mapping[str, Any] | None, hf: bool = False) -> Iterator[tuple[str, Any]]:
-    """Slots of a forward call's arguments: ``input[i]`` then ``input[name]`` for keywords."""
+def visible_inputs(args: tuple, kwargs: Mapping[str, Any] | None, hf: bool = False) -> Iterator[tuple[str, Any, bool]]:
+    """``(label, value, visible)`` of a forward call's arguments: ``input[i]``, then ``input[name]``."""
     for i, a in enumerate(args):
         yield from _walk(a, f"input[{i}]", 1, 0, hf)
     if kwargs:
         for k, v in kwargs.items():
             # keyword inputs are our addition: transformers never saw them, so never "not a tensor" first
-            yield from _walk(v, f"input[{k}]", 1, 0, False)
+            yield from _walk(v, f"input[{k}]", 1, 0, False, visible=False)
 
 
-def output_slots(output: Any, hf: bool = False) -> Iterator[tuple[str, Any]]:
-    """Slots of a forward's return value: ``output``, ``output[i]``, ``output[i][j]``, ``output[key]``."""
+def visible_outputs(output: Any, hf: bool = False) -> Iterator[tuple[str, Any, bool]]:
+    """``(label, value, visible)`` of a forward's return value: ``output``, ``output[i]``, ``output[i][j]``,
+    ``output[key]``."""
     if isinstance(output, tuple):
         for i, o in enumerate(output):
             yield from _walk(o, f"output[{i}]", 1, 1, hf)
     else:
         yield from _walk(output, "output", 0, 0, hf)
+
+
+def input_slots(args: tuple, kwargs: Mapping[str, Any] | None, hf: bool = False) -> Iterator[tuple[str, Any]]:
+    """Slots of a forward call's arguments: ``input[i]`` then ``input[name]`` for keywords."""
+    for label, value, _ in visible_inputs(args, kwargs, hf):
+        yield label, value
+
+
+def output_slots(output: Any, hf: bool = False) -> Iterator[tuple[str, Any]]:
+    """Slots of a forward's return value: ``output``, ``output[i]``, ``output[i][j]``, ``output[key]``."""
+    for label, value, _ in visible_outputs(output, hf):
+        yield label, value

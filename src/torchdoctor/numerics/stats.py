@@ -106,8 +106,9 @@ def _abs_of(x: torch.Tensor) -> torch.Tensor:
         return x.abs()  # real magnitude
     if dtype is torch.bool:
         return x.to(torch.uint8)
-    # integers: widen first so that abs(INT_MIN) does not wrap around
-    return x.to(torch.float64).abs() if dtype is torch.int64 else x.to(torch.float32).abs()
+    # integers: widen first so that abs(INT_MIN) does not wrap around, and exactly (float32 would round
+    # int32 values above 2**24: 16777217 printed as 16777216); int64 goes to float64 (exact to 2**53)
+    return x.to(torch.float64).abs() if dtype is torch.int64 else x.to(torch.int64).abs()
 
 
 def abs_min_max(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,8 @@ class StepRecord:
     backward_grads: list[tuple[torch.Tensor, weakref.ref]] = field(default_factory=list)  # ... which ones
     queued_task: int | None = None  # the backward whose end-of-backward callback is queued
     root_calls: list = field(default_factory=list)  # the model's calls, kept for an eager re-run (compiled models)
+    continued: bool = False  # compat: the same batch goes on (a submodule called on its own ended a record)
+    weights: StatBuffer | None = None  # the weights of the frames kept as context, measured as the step ended
 
     @property
     def empty(self) -> bool:
@@ -46,7 +48,7 @@ class StepRecord:
             if seen is not None and seen[0]() is value and seen[1] == value._version:
                 s = seen[2]
                 if s.ref is None or s.ref.judged or not judged:
-                    return Slot(label, s.ref, s.kind, s.dtype, s.inf_ref, s.scope, s.param)
+                    return Slot(label, s.ref, s.kind, s.dtype, s.inf_ref, s.scope, s.param, judged, s.nan_ref)
             slot = self._measure(label, value, judged, hf)
             self.seen[key] = (weakref.ref(value), value._version, slot)
             return slot
@@ -58,7 +60,30 @@ class StepRecord:
             # transformers prints "has infs" next to "has nans" for a tensor holding both; abs max
             # cannot tell, so compat mode pays one more reduction per tensor to know
             slot.inf_ref = self.buffer.add_flag(has_inf(value))
+            if value.dtype.is_complex:  # |inf + nan j| is inf: the nan needs its own flag
+                slot.nan_ref = self.buffer.add_flag(torch.isnan(value.detach()).any())
         return slot
+
+    def keep_for_context(self, max_frames: int) -> None:
+        """The step is over: keep only the frames a later report can show (its last ``max_frames``) and
+        measure their modules' weights now, before the optimizer changes them, on the device (no sync).
+        Their parameter gradients are not kept: by the next report they are another step's."""
+        self.frames = self.frames[-max_frames:] if max_frames else []
+        self.seen.clear()
+        self.grad_targets.clear()
+        measured: dict[int, list[Slot]] = {}
+        for f in self.frames:
+            f.with_param_grads = False
+            module = f.info.module() if f.with_params else None
+            if module is None:
+                continue
+            slots = measured.get(id(module))
+            if slots is None:
+                if self.weights is None:
+                    self.weights = StatBuffer()
+                slots = [measure(self.weights, n, p, param=True) for n, p in module.named_parameters(recurse=False)]
+                measured[id(module)] = slots
+            f.weights = slots
 
     def activation_flag(self) -> torch.Tensor | None:
         """One on-device "all judged statistics finite" flag (None when nothing was measured)."""
