@@ -16,8 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchdoctor.deepspeed import check_run, config_check
+from torchdoctor.deepspeed import check_run, config_check, schema_tables
+from torchdoctor.deepspeed import schema as ds_schema
 from torchdoctor.deepspeed.config_check import ConfigError, check, load
+from torchdoctor.deepspeed.hf_fill import hf_fill
 from torchdoctor.findings import Finding
 
 FIX = Path(__file__).parent / "fixtures" / "ds_check"
@@ -133,11 +135,12 @@ def test_bundled_tables_match_the_installed_deepspeed():
     t = config_check.deepspeed_tables()
     if t["version"] != config_check.FALLBACK_VERSION:
         pytest.skip(f"bundled tables are from DeepSpeed {config_check.FALLBACK_VERSION}, installed {t['version']}")
-    assert t["blocks"] == config_check._FALLBACK_BLOCKS
-    assert t["removed"] == config_check._FALLBACK_REMOVED
-    assert t["schedulers"] == config_check._FALLBACK_SCHEDULERS
-    assert tuple(t["optimizers"]) == config_check._FALLBACK_OPTIMIZERS
-    assert set(t["top"]) == set(config_check._FALLBACK_TOP_LEVEL)
+    assert t["models"] == schema_tables._FALLBACK_MODELS
+    assert t["blocks"] == schema_tables._FALLBACK_BLOCKS
+    assert t["removed"] == schema_tables._FALLBACK_REMOVED
+    assert t["schedulers"] == schema_tables._FALLBACK_SCHEDULERS
+    assert tuple(t["optimizers"]) == schema_tables._FALLBACK_OPTIMIZERS
+    assert set(t["top"]) == set(schema_tables._FALLBACK_TOP_LEVEL)
 
 
 def _signature(findings: list[Finding]) -> list[tuple[str, str, str]]:
@@ -163,22 +166,22 @@ def test_without_deepspeed_the_bundled_tables_give_the_same_verdicts(monkeypatch
 def test_a_deepspeed_whose_models_moved_falls_back_to_the_bundled_tables(monkeypatch, fresh_schema):
     pytest.importorskip("deepspeed")
 
-    def moved():
+    def moved(models):
         raise ModuleNotFoundError("No module named 'deepspeed.runtime.precision_config'",
                                   name="deepspeed.runtime.precision_config")
 
-    monkeypatch.setattr(config_check, "_blocks_from_deepspeed", moved)
+    monkeypatch.setattr(ds_schema, "_blocks_from_deepspeed", moved)
     sch = config_check.schema()
     assert not sch.from_deepspeed
     assert sch.source.endswith("'s tables could not be read: ModuleNotFoundError)")
-    assert set(sch.blocks["fp16"]) == set(config_check._FALLBACK_BLOCKS["fp16"])
+    assert set(sch.blocks["fp16"]) == set(schema_tables._FALLBACK_BLOCKS["fp16"])
 
 
 def test_a_deepspeed_that_fails_to_import_falls_back_too(monkeypatch, fresh_schema):
     def broken():
         raise RuntimeError("CUDA mismatch")
 
-    monkeypatch.setattr(config_check, "deepspeed_tables", broken)
+    monkeypatch.setattr(ds_schema, "deepspeed_tables", broken)
     sch = config_check.schema()
     assert sch.source.endswith("(deepspeed import failed: RuntimeError)")
     assert of(lint({**BASE, "zero_optimization": {"stagee": 2}}), "config.unknown-key")
@@ -196,10 +199,7 @@ VALUES = [0, 1, 2, 3, 4, -1, 16, 0.5, 1.0, 16.5, 1e20, float("inf"), float("nan"
 def test_bad_value_fails_exactly_when_deepspeeds_model_refuses_the_value(block, key):
     """Our reading of a value agrees with DeepSpeed's own pydantic model, value by value."""
     pytest.importorskip("deepspeed")
-    import importlib
-
-    module, cls_name = config_check._MODELS[block]
-    model = getattr(importlib.import_module(module), cls_name)
+    model = ds_schema._model_class(config_check.schema().models[block])
     for v in VALUES:
         try:
             model(**{key: v})
@@ -388,19 +388,59 @@ def test_auto_outside_hf_fails_and_fp16_auto_is_off():
     f = one(findings, "config.auto-outside-hf")
     assert f.severity == "fail"
     assert 'fp16.enabled "auto" means fp16 off' in f.title
-    assert f.data == {"dropped": ["fp16.enabled"], "passed_on": ["optimizer.params.lr"], "for": "deepspeed"}
+    assert f.data == {"dropped": ["fp16.enabled"], "passed_on": ["optimizer.params.lr"], "for": "deepspeed",
+                      "edits": []}
     assert not of(findings, "logging.overflow-hidden")  # fp16 is off for DeepSpeed
     assert not of(lint(cfg, for_="hf"), "config.auto-outside-hf")
 
 
-def test_with_hf_only_the_keys_hf_fills_may_be_auto():
-    dropped = one(lint({**BASE, "fp16": {"enabled": True, "initial_scale_power": "auto"}, "log_level": "info"},
-                       for_="hf"), "config.auto-outside-hf")
-    assert dropped.severity == "warn" and dropped.data["dropped"] == ["fp16.initial_scale_power"]
-    passed = one(lint({**BASE, "optimizer": {"type": "AdamW", "params": {"foo": "auto"}}}, for_="hf"),
-                 "config.auto-outside-hf")
-    assert passed.severity == "fail" and passed.data["passed_on"] == ["optimizer.params.foo"]
+def test_with_hf_an_auto_the_hf_trainer_cannot_fill_fails_as_accelerate_does():
+    """accelerate's deepspeed_config_process raises for every "auto" left after transformers filled its own."""
+    for cfg, key in [({**BASE, "fp16": {"enabled": True, "initial_scale_power": "auto"}, "log_level": "info"},
+                      "fp16.initial_scale_power"),
+                     ({**BASE, "optimizer": {"type": "AdamW", "params": {"foo": "auto"}}}, "optimizer.params.foo")]:
+        findings = lint(cfg, for_="hf")
+        f = one(findings, "hf.auto-not-filled")
+        assert f.severity == "fail" and f.data["unfilled"] == [key]
+        assert f"ValueError: `{key}` not found in kwargs" in text(f)
+        assert not of(findings, "config.auto-outside-hf")
     assert [f.id for f in lint(load(str(FIX / "hf_auto.json")), for_="hf")] == ["config.ok"]
+
+
+def test_with_hf_an_auto_under_the_old_bfloat16_name_is_renamed_not_replaced():
+    cfg = {**BASE, "bfloat16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}
+    f = one(lint(cfg, for_="hf"), "hf.auto-not-filled")
+    assert f.data["unfilled"] == ["bfloat16.enabled"]
+    assert f.fix == ['rename "bfloat16" to "bf16" (its current name, the one transformers fills): "bf16": '
+                     '{"enabled": "auto"}']
+    fixed = {**BASE, "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}
+    assert not of(lint(fixed, for_="hf"), "hf.auto-not-filled")
+
+
+def test_hf_fill_reads_which_training_argument_fills_each_key():
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "foo": "auto"}},
+           "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}
+    got = hf_fill(cfg)
+    assert got.source.startswith("transformers ")
+    assert got.fills["train_micro_batch_size_per_gpu"] == "TrainingArguments.per_device_train_batch_size"
+    assert got.fills["optimizer.params.lr"] == "TrainingArguments.learning_rate"
+    assert got.fills["gradient_clipping"] == "TrainingArguments.max_grad_norm"
+    assert "zero_optimization.reduce_bucket_size" in got.fills
+    assert got.unfilled == ("optimizer.params.foo",)
+    assert got.filled["optimizer"]["params"]["lr"] == 5e-05 and got.filled["optimizer"]["params"]["foo"] == "auto"
+    assert cfg["optimizer"]["params"]["lr"] == "auto"  # the caller's config is not touched
+
+
+def test_without_transformers_the_bundled_hf_table_gives_the_same_verdicts(monkeypatch):
+    cfgs = [load(str(FIX / "hf_auto.json")), {**BASE, "fp16": {"enabled": "auto", "initial_scale_power": "auto"}},
+            {**BASE, "pipeline": {"stages": "auto"}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}]
+    with_hf = [_signature(lint(c, for_="hf")) for c in cfgs]
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert hf_fill(cfgs[1]).source == "bundled table (transformers not installed)"
+    assert [_signature(lint(c, for_="hf")) for c in cfgs] == with_hf
 
 
 # "auto" where DeepSpeed's own default is "auto": DeepSpeed reads it itself, nothing for the HF Trainer to fill
@@ -415,11 +455,19 @@ DS_OWN_AUTO = [
 
 
 @pytest.mark.parametrize("cfg", DS_OWN_AUTO)
-@pytest.mark.parametrize("for_", config_check.FOR_CHOICES)
-def test_auto_that_is_deepspeeds_own_default_is_not_flagged(cfg, for_):
-    findings = lint({**BASE, **cfg}, for_=for_)
+def test_auto_that_is_deepspeeds_own_default_is_not_flagged(cfg):
+    findings = lint({**BASE, **cfg})
     assert not of(findings, "config.auto-outside-hf"), [f.title for f in findings]
     assert [f.id for f in findings] == ["config.ok"]
+
+
+@pytest.mark.parametrize("cfg", DS_OWN_AUTO)
+def test_with_hf_even_deepspeeds_own_auto_stops_accelerate(cfg):
+    """accelerate walks every object value and refuses any "auto" it has no value for, DeepSpeed's own too."""
+    f = one(lint({**BASE, **cfg}, for_="hf"), "hf.auto-not-filled")
+    assert f.severity == "fail" and "not found in kwargs" in text(f)
+    assert all(k in config_check.schema().ds_auto for k in f.data["unfilled"])
+    assert f.fix[0].startswith("replace each with the value the run should use (or remove ")
 
 
 def test_auto_elsewhere_in_the_same_blocks_is_still_flagged():
@@ -433,7 +481,7 @@ def test_deepspeeds_own_auto_keys_come_from_deepspeed_and_match_the_bundled_copy
     t = config_check.deepspeed_tables()
     assert "data_types.keep_in_fp32_modules" in t["auto"]["config"] and "pipeline.stages" in t["auto"]["pipeline"]
     if t["version"] == config_check.FALLBACK_VERSION:
-        assert t["auto"] == config_check._FALLBACK_DS_AUTO
+        assert t["auto"] == schema_tables._FALLBACK_DS_AUTO
     assert config_check.schema().ds_auto == {k for keys in t["auto"].values() for k in keys}
     # without deepspeed the bundled copy gives the same verdicts
     config_check.schema.cache_clear()
@@ -449,8 +497,8 @@ def test_a_moved_private_reader_keeps_the_bundled_auto_keys(monkeypatch):
     def moved():
         raise AttributeError("get_pipeline_config")
 
-    monkeypatch.setattr(config_check, "_auto_in_pipeline", moved)
-    assert config_check._ds_auto_from_deepspeed()["pipeline"] == ("pipeline.stages",)
+    monkeypatch.setattr(ds_schema, "_auto_in_pipeline", moved)
+    assert ds_schema._ds_auto_from_deepspeed()["pipeline"] == ("pipeline.stages",)
 
 
 @pytest.mark.parametrize("cfg, ws, severity, needle", [
@@ -473,17 +521,35 @@ def test_batch_size_arithmetic(cfg, ws, severity, needle):
     ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 8, "deepspeed"),
     ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, 8, "deepspeed"),
     ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 7, "deepspeed"),
-    ({"gradient_accumulation_steps": 2}, None, "hf"),
     ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}, 4, "hf"),
 ])
 def test_consistent_batch_sizes_pass(cfg, ws, for_):
     assert not of(lint(cfg, world_size=ws, for_=for_), "config.batch-size")
 
 
+def test_no_batch_key_fails_under_hf_too_since_the_trainer_fills_only_auto_keys():
+    # transformers fills a batch key only where it says "auto", so DeepSpeed then stops with "Either
+    # train_batch_size or train_micro_batch_size_per_gpu needs to be provided"
+    found = of(lint({"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}, for_="hf"),
+               "config.batch-size")
+    assert [f.severity for f in found] == ["fail"] and '"auto"' in found[0].title
+    assert found[0].data["edits"] == [{"path": ["train_micro_batch_size_per_gpu"], "value": "auto"}]
+    assert not of(lint({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}},
+                       for_="hf"), "config.batch-size")
+
+
+def test_under_hf_a_missing_accumulation_is_one_not_derived():
+    # accelerate's DeepSpeedPlugin writes gradient_accumulation_steps 1 into a config without it
+    cfg = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+    assert not of(lint(cfg, world_size=1, for_="deepspeed"), "config.batch-size")  # DeepSpeed derives 16
+    found = of(lint(cfg, world_size=1, for_="hf"), "config.batch-size")
+    assert [f.severity for f in found] == ["fail"] and "accumulation 1" in found[0].title
+
+
 def test_offload_param_needs_stage_3():
     cfg = {**BASE, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
     f = one(lint(cfg), "zero.offload-param-stage")
-    assert f.severity == "fail" and f.fix[0] == '"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}'
+    assert f.severity == "warn" and f.fix[0] == '"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}'
     assert not of(lint({**BASE, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}),
                   "zero.offload-param-stage")
     assert not of(lint({**BASE, "zero_optimization": {"stage": 2, "offload_param": {"device": "none"}}}),
@@ -517,7 +583,9 @@ def test_cli_nvme_config_on_a_machine_without_libaio(monkeypatch, capsys):
     assert sorted((f["id"], f["severity"]) for f in findings) == [("build.libaio-missing", "fail"),
                                                                   ("zero.nvme-path", "fail")]
     assert [f["data"] for f in findings if f["id"] == "zero.nvme-path"] == [
-        {"block": "zero_optimization.offload_optimizer"}]
+        {"block": "zero_optimization.offload_optimizer",
+         "edits": [{"path": ["zero_optimization", "offload_optimizer", "device"], "value": "nvme"},
+                   {"path": ["zero_optimization", "offload_optimizer", "nvme_path"], "value": "/local_nvme"}]}]
 
 
 def test_bfloat16_is_the_old_name_of_bf16():
@@ -678,6 +746,17 @@ def test_cli_with_the_real_probe_in_a_fresh_process():
     assert out["schema"].startswith("deepspeed ") and out["findings"]
     assert all(isinstance(c, str) and not math.isnan(float(c)) for c in out["gpu_capabilities"])
     assert "Traceback" not in proc.stderr
+
+
+def test_cli_for_hf_in_a_fresh_process_keeps_json_clean():
+    """transformers and accelerate run inside the check with --for hf: their log lines must not reach stdout."""
+    proc = subprocess.run([sys.executable, "-m", "torchdoctor.deepspeed.check_run", str(FIX / "hf_auto.json"),
+                           "--for", "hf", "--json"], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": SRC})
+    out = json.loads(proc.stdout)
+    assert proc.returncode == 0, proc.stderr
+    assert out["hf_fill"].startswith("transformers ") or out["hf_fill"].startswith("bundled table")
+    assert [f["id"] for f in out["findings"]] == ["config.ok"]
 
 
 @pytest.mark.parametrize("junk", [None, "x", [1], {"a": 1}, float("nan"), -(2**80), 2**80, True])

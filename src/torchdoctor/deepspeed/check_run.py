@@ -50,6 +50,7 @@ def _probe() -> tuple[list[str], str | None]:
 
 def run(args: argparse.Namespace) -> int:
     from . import config_check
+    from .hf_fill import hf_fill
 
     try:
         world_size = _world_size(getattr(args, "world_size", None))
@@ -69,14 +70,16 @@ def run(args: argparse.Namespace) -> int:
     findings = config_check.check(config, world_size=world_size, for_=for_, gpu_capabilities=caps, libaio=libaio,
                                   path="<stdin>" if args.config == "-" else args.config)
     sch = config_check.schema()
+    hf = hf_fill(config).source if for_ == "hf" else None  # milliseconds: TrainingArguments are made once
     if getattr(args, "json", False):
         print(dumps({"config": args.config, "for": for_, "world_size": world_size, "gpu_capabilities": caps,
-                     "libaio": libaio, "schema": sch.source, "findings": [f.to_json() for f in findings]},
-                    indent=1))
+                     "libaio": libaio, "schema": sch.source, "hf_fill": hf,
+                     "findings": [f.to_json() for f in findings]}, indent=1))
     else:
         gpus = ", ".join(f"sm {c}" for c in caps) or "none visible"
         print(f"torchdoctor ds check {args.config} (for {for_}; world size {world_size or 'not given'}; "
-              f"GPUs: {gpus}; libaio: {libaio or 'not found'}; checked against {sch.source})")
+              f"GPUs: {gpus}; libaio: {libaio or 'not found'}; checked against {sch.source}"
+              + (f'; "auto" filling read from {hf}' if hf else "") + ")")
         print()
         print(render_text(findings))
     return EXIT_PROBLEMS if any(f.severity == "fail" for f in findings) else EXIT_OK
