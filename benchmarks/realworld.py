@@ -16,11 +16,13 @@ thread text itself is in SOURCES.md.
 **Configs.** The judge is DeepSpeed's own parser, not this project. For each ``ds_configs/*.json``:
 
 - ``--for deepspeed``: does ``deepspeed.runtime.config.DeepSpeedConfig`` accept the file as it is?
-- ``--for hf``: does it accept the file after transformers' own ``HfTrainerDeepSpeedConfig`` has filled the
-  ``"auto"`` values from ``TrainingArguments`` (set to agree with the file's explicit values, as a user's
-  command line would) and a small model's ``hidden_size``?
+- ``--for hf``: do transformers and accelerate get the file to DeepSpeed (``TrainingArguments(deepspeed=...)``
+  with arguments that agree with the file's explicit values, as a user's command line would; the Trainer's
+  ``trainer_config_finalize`` with a small model's ``hidden_size``; accelerate's ``deepspeed_config_process``
+  with what ``Accelerator.prepare`` passes), and does DeepSpeed's parser then accept it?
 
-A ``ds check`` run agrees when it exits 1 with a ``fail`` finding exactly when the parser refuses. The two
+Both judge at world size 1 (the parser runs in one process), so ``ds check`` gets ``--world-size 1``. A ``ds check``
+run agrees when it exits 1 with a ``fail`` finding exactly when the parser refuses. The two
 ways to disagree are counted apart: a *miss* (ds check passes a config DeepSpeed then refuses -- the costly
 one) and a *false alarm* (a failure on a config DeepSpeed accepts; it may still be right when the setting
 breaks later at run time, so each is listed with its finding id for a reader to judge).
@@ -198,17 +200,15 @@ def _explicit(config: dict, *path: str):
 
 
 def hf_filled(config: dict, tmp: str) -> tuple[dict | None, str]:
-    """The config as the HF Trainer hands it to DeepSpeed, with TrainingArguments that agree with it.
+    """The config as the HF Trainer hands it to DeepSpeed, or what the HF stack raises before that.
 
-    The Trainer also refuses explicit values that disagree with its arguments (lr, betas, batch sizes...):
-    that is about the command line, not the file, so here every explicit value is taken to agree.
+    The real path: ``TrainingArguments(deepspeed=config)`` (transformers fills the "auto" values and builds
+    accelerate's ``DeepSpeedPlugin``), ``trainer_config_finalize`` with a small model, then accelerate's
+    ``deepspeed_config_process`` with the values ``Accelerator._prepare_deepspeed`` passes. The Trainer also
+    refuses explicit values that disagree with its arguments (lr, betas, batch sizes...): that is about the
+    command line, not the file, so every explicit value is taken to agree.
     """
     _, TrainingArguments, HfTrainerDeepSpeedConfig = _quiet_imports()
-
-    class AgreeingArgs(HfTrainerDeepSpeedConfig):
-        def fill_match(self, ds_key_long, hf_val, hf_key=None, must_match=True):
-            return super().fill_match(ds_key_long, hf_val, hf_key, must_match=False)
-
     kw: dict = {"output_dir": tmp, "report_to": [], "use_cpu": True}
     for key, arg in (("train_micro_batch_size_per_gpu", "per_device_train_batch_size"),
                      ("gradient_accumulation_steps", "gradient_accumulation_steps"),
@@ -216,6 +216,9 @@ def hf_filled(config: dict, tmp: str) -> tuple[dict | None, str]:
         value = _explicit(config, key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             kw[arg] = value
+    train, micro = _explicit(config, "train_batch_size"), _explicit(config, "train_micro_batch_size_per_gpu")
+    if "gradient_accumulation_steps" not in kw and isinstance(train, int) and isinstance(micro, int) and micro:
+        kw["gradient_accumulation_steps"] = max(1, train // micro)  # what DeepSpeed derives on one rank
     for dtype in ("fp16", "bf16"):
         if _explicit(config, dtype, "enabled") is True:
             kw[dtype] = True
@@ -224,11 +227,21 @@ def hf_filled(config: dict, tmp: str) -> tuple[dict | None, str]:
         kw["learning_rate"] = lr
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            args = TrainingArguments(**kw)
-            hf = AgreeingArgs(copy.deepcopy(config))
-            hf.trainer_config_process(args)
+            args = TrainingArguments(**kw, deepspeed=copy.deepcopy(config))
+            hf = args.hf_deepspeed_config
+            hf.mismatches.clear()
+            hf.fill_match = lambda key, val, hf_key=None, must_match=True: HfTrainerDeepSpeedConfig.fill_match(
+                hf, key, val, hf_key, must_match=False)
             hf.trainer_config_finalize(args, _TinyModel(), 100)
-    except Exception as e:  # what the Trainer raises before DeepSpeed sees the config
+            micro = hf.get_value("train_micro_batch_size_per_gpu")
+            micro = micro if isinstance(micro, int) else 1
+            gas = hf.get_value("gradient_accumulation_steps")
+            gas = gas if isinstance(gas, int) else 1
+            args.deepspeed_plugin.deepspeed_config_process(
+                must_match=False, **{"train_micro_batch_size_per_gpu": micro, "train_batch_size": micro * gas,
+                                     "gradient_clipping": 1.0,
+                                     "zero_optimization.stage3_gather_16bit_weights_on_model_save": False})
+    except Exception as e:  # what the Trainer or accelerate raises before DeepSpeed sees the config
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
     return hf.config, ""
 
@@ -241,7 +254,7 @@ def config_row(path: Path, who: str, tmp: str) -> dict:
             refusal = parser_verdict(filled)
     else:
         refusal = parser_verdict(config)
-    rc, out = run_json(["ds", "check", "--for", who, str(path)])
+    rc, out = run_json(["ds", "check", "--for", who, "--world-size", "1", str(path)])
     findings = out.get("findings", [])
     failed = rc == 1 and any(f.get("severity") == "fail" for f in findings)
     kind = "agree" if failed == bool(refusal) else ("miss" if refusal else "false alarm")
