@@ -567,3 +567,52 @@ def test_host_oom_title_on_this_machine_is_rounded(capsys, monkeypatch):
     rc, out, _ = cli(["--params", "7B", "--largest-layer", "131M", "--gpus-per-node", "8", "--gpu-mem", "80"], capsys)
     assert "needs 312.92 GiB host RAM per node, 23.5 GiB available" in out and "23.5406" not in out
     assert "host RAM per node: 23.5 GiB [this machine's MemTotal" in out
+
+
+def _no_gpu_cli(argv: list[str]) -> tuple[int, str]:
+    """The real CLI with no GPU visible (a CPU login node, where runs are planned), in its own process."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run([sys.executable, "-m", "torchdoctor", "ds", "memory", *argv], capture_output=True, text=True,
+                       env=env, timeout=120)
+    return p.returncode, p.stdout
+
+
+def test_without_gpu_memory_nothing_is_said_to_fit_the_gpu():
+    """Issue 11: `ds memory --params 7B` on a CPU node marked a row needing >= 117 GiB/GPU as "likely: fastest setup
+    that fits the GPU", id memory.fits, exit 0."""
+    rc, out = _no_gpu_cli(["--params", "7B"])
+    assert rc == 0, out
+    assert "likely" not in out.split("NOTE")[1].split("no likely row")[0]  # no row marked likely ...
+    assert "no likely row: GPU memory unknown: pass --gpu-mem" in out      # ... and it says why
+    assert not [line for line in out.splitlines() if line.startswith("*")]
+    assert "(memory.fits)" not in out and " fits:" not in out
+    assert "≥" not in out and ">= 0.00" not in out and "0.00 GiB" not in out
+    assert "GPU memory unknown: pass --gpu-mem" in out
+    table = out.split("\n\n")[1].splitlines()
+    assert all(" ? " not in f" {line} " or "host ?, GPU ?" in line for line in table[1:])  # every ? is "host/GPU ?"
+    assert "? = cannot tell: GPU memory unknown (pass --gpu-mem)" in out and "+L = plus a term" in out
+    rc, out = _no_gpu_cli(["--params", "7B", "--json"])
+    doc = json.loads(out)
+    assert rc == 0 and doc["judged"] is None
+    ids = {f["id"] for f in doc["findings"]}
+    assert "memory.fits" not in ids and "memory.gpu-mem-unknown" in ids
+    need = next(f for f in doc["findings"] if f["id"] == "memory.gpu-mem-unknown")
+    assert any("130.39 GiB" in e for e in need["evidence"])  # what each setup needs per GPU, fastest first
+
+
+def test_a_row_not_known_to_fit_gets_no_fits_verdict(capsys):
+    # with the GPU known, the likely row fits for sure: memory.fits, ok
+    rc, out, _ = cli(["--params", "7B", "--gpus-per-node", "8", "--cpu-mem", "1024", "--gpu-mem", "80"], capsys)
+    assert rc == 0 and "[OK] ZeRO-1, no offload, bf16 fits: 39.12 GiB per GPU of 80" in out
+    assert "≥" not in out and "0.00+L" in out  # ZeRO-3 with offloaded params: only the largest layer
+    # a configured row whose GPU side is unknown: what it needs, no "fits" (it was memory.fits, info)
+    cfg = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+    findings, row = M.judge(M.estimate(M.Inputs(7 * 10**9, None, 8, 1, 1024.0, None)), M.Inputs(
+        7 * 10**9, None, 8, 1, 1024.0, None), "bf16", M.configured_from_ds_config(cfg, None, None))
+    ids = {f.id: f for f in findings}
+    assert row is not None and "memory.fits" not in ids and ids["memory.needs"].severity == "info"
+    assert "whether that fits is not known" in ids["memory.needs"].title

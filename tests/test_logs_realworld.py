@@ -23,13 +23,13 @@ F, W, INFO, OK = "fail", "warn", "info", "ok"
 #: file name prefix -> (the exact {finding id: severity}, the exit code of `torchdoctor logs FILE`)
 EXPECTED: dict[str, tuple[dict[str, str], int]] = {
     "build_cc1plus_killed": ({"build.compiler": F}, 1),          # the OOM killer took cc1plus mid-build
-    "build_missing_cuda_header": ({"build.compiler": F}, 1),
+    "build_missing_cuda_header": ({"build.compiler": F, "process.exception": INFO}, 1),  # traceback cut
     "cuda_mismatch_ds_exception_class": ({"build.cuda-mismatch": F}, 1),
-    "cuda_mismatch_ds_op_builder": ({"build.cuda-mismatch": F}, 1),
+    "cuda_mismatch_ds_op_builder": ({"build.cuda-mismatch": F, "process.exception": INFO}, 1),
     "cuda_mismatch_torch_cpp_extension": ({"build.cuda-mismatch": F}, 1),   # torch's message over two lines
     "cuda_mismatch_torch_setup_traceback": ({"build.cuda-mismatch": F}, 1),  # message cut: the raise line tells
     "cuda_oom_quoted_then_rc1": ({"memory.cuda-oom": F, "process.exit-code": W}, 1),
-    "cuda_oom_rank_prefixed": ({"memory.cuda-oom": F}, 1),
+    "cuda_oom_rank_prefixed": ({"memory.cuda-oom": F, "process.exception": INFO}, 1),  # cut traceback
     "cuda_oom_single_line": ({"memory.cuda-oom": F}, 1),
     "cuda_oom_zero3_optimizer_step": ({"memory.cuda-oom": F}, 1),
     "custom_loss_nan_grad_scale_0": ({"fp16.loss-scale-collapse": F, "loss.nonfinite": F}, 1),
@@ -55,10 +55,10 @@ EXPECTED: dict[str, tuple[dict[str, str], int]] = {
     "nccl_timeout_diverged_seqnums": ({"comm.nccl-timeout": F}, 1),
     "nccl_timeout_old_format": ({"comm.nccl-timeout": F}, 1),
     "nccl_timeout_reduce_scatter": ({"comm.nccl-timeout": F}, 1),
-    "nccl_watchdog_terminate": ({"comm.nccl-timeout": F}, 1),
+    "nccl_watchdog_terminate": ({"comm.nccl-timeout": F, "process.exception": INFO}, 1),
     "sigkill_accelerate_exitcode-9_rich": ({"process.killed": F}, 1),
     "sigkill_ds_launcher_rc-9": ({"process.killed": F}, 1),
-    "sigkill_torchrun_exitcode-9_loading_shards": ({"process.killed": F}, 1),
+    "sigkill_torchrun_exitcode-9_loading_shards": ({"process.killed": F, "process.exception": INFO}, 1),  # torchrun's
 }
 
 

@@ -621,9 +621,11 @@ def _avail(gib: float) -> str:
 
 
 def _need(row: Row, what: str) -> str:
-    if what == "cpu":
-        return f"{'>= ' if row.cpu_lower_bound else ''}{_gib(row.cpu_gib)} GiB"
-    return f"{'>= ' if row.gpu_lower_bound else ''}{_gib(row.gpu_gib)} GiB"
+    """``13.04 GiB``; a figure the unknown largest layer adds to says so (``13.04 GiB + the largest layer``)."""
+    gib, lower = (row.cpu_gib, row.cpu_lower_bound) if what == "cpu" else (row.gpu_gib, row.gpu_lower_bound)
+    if not lower:
+        return f"{_gib(gib)} GiB"
+    return "the largest layer's share (unknown)" if gib < 0.005 else f"{_gib(gib)} GiB + the largest layer"
 
 
 def _host_terms(row: Row, inputs: Inputs) -> list[str]:
@@ -782,7 +784,7 @@ def judge(rows: list[Row], inputs: Inputs, precision: str,
     if inputs.largest_layer is None:
         findings.append(Finding(
             "memory.largest-layer-unknown", "info",
-            "largest layer unknown: ZeRO-3 GPU figures are lower bounds",
+            "largest layer unknown: the ZeRO-3 figures marked +L leave it out",
             ["ZeRO-3 gathers the largest layer whole on one GPU (16-bit weights + grads: 4 B x its params); in "
              "language models it is usually the embedding, vocab x hidden (32000 x 4096 = 131M for Llama-2-7B)"],
             ["pass --largest-layer N, or --model path/to/config.json to count it exactly"]))
@@ -794,7 +796,7 @@ def judge(rows: list[Row], inputs: Inputs, precision: str,
     if configured is not None:
         row = _by_key(own).get(configured.key)
         why = "the configured setup"
-    else:
+    elif inputs.gpu_gib is not None:  # which setup "fits the GPU" needs the GPU's memory (a CPU login node: no)
         row = likely_row(own, precision)
         why = "the fastest setup that fits the GPU (no --config given)"
 
@@ -840,22 +842,30 @@ def judge(rows: list[Row], inputs: Inputs, precision: str,
             _host_fixes(own, inputs, least), {"row": least.to_json()}))
 
     if inputs.gpu_gib is None:
+        needs = "; ".join(f"{r.label}: {_need(r, 'gpu')}" for r in _preferred(own, precision)[:6])
         findings.append(Finding(
             "memory.gpu-mem-unknown", "info",
-            "GPU memory unknown: no setup picked" if row is None else "GPU memory unknown: GPU fit not judged",
-            _pick_lines(own, precision), ["pass --gpu-mem GiB (per GPU), e.g. --gpu-mem 80"]))
+            "GPU memory unknown: pass --gpu-mem; no setup picked, the GPU fit is not judged" if row is None else
+            "GPU memory unknown: pass --gpu-mem; the GPU fit of the configured setup is not judged",
+            _pick_lines(own, precision) + [f"per GPU, fastest first: {needs}"],
+            ["pass --gpu-mem GiB (per GPU) for the GPUs the job will run on, e.g. --gpu-mem 80 (A100/H100 80GB), "
+             "--gpu-mem 24 (RTX 4090)"]))
 
     bad = any(f.severity in ("fail", "warn") and f.id in ("memory.gpu-oom", "memory.host-oom-at-start")
               for f in findings)
-    if row is not None and not bad:
+    if row is not None and not bad and row.fits is True:
         cpu = (f"{_need(row, 'cpu')} host RAM per node of {_avail(inputs.cpu_gib)}" if inputs.cpu_gib is not None
                else f"{_need(row, 'cpu')} host RAM per node (available unknown)")
         gpu = (f"{_need(row, 'gpu')} per GPU of {_avail(inputs.gpu_gib)}" if inputs.gpu_gib is not None
                else f"{_need(row, 'gpu')} per GPU (available unknown)")
-        sev = "ok" if row.fits is True else "info"
         findings.append(Finding(
-            "memory.fits", sev, f"{row.label} fits: {gpu}, {cpu}" if sev == "ok" else f"{row.label}: {gpu}, {cpu}",
+            "memory.fits", "ok", f"{row.label} fits: {gpu}, {cpu}",
             base_evidence + [f"judged: {why}", "leave room for activations: they grow with batch size and "
                              "sequence length (activation checkpointing shrinks them)"],
             [], {"row": row.to_json(configured=configured is not None)}))
+    elif row is not None and not bad:  # not known to fit: what it needs, without a "fits" verdict
+        findings.append(Finding(
+            "memory.needs", "info", f"{row.label} needs {_need(row, 'gpu')} per GPU and {_need(row, 'cpu')} host RAM "
+            "per node; whether that fits is not known (see above)",
+            base_evidence + [f"judged: {why}"], [], {"row": row.to_json(configured=configured is not None)}))
     return findings, row

@@ -3,8 +3,11 @@
 Every ZeRO-0..3 setup (CPU/NVMe offload, with and without zero.Init, fp16/bf16/fp32) as a row of host GiB per
 node and GiB per GPU (the formulas, and how they match DeepSpeed's estimators, are in :mod:`.memory`), the
 configured row (``--config ds.json``) or the likely one marked, and findings: ``memory.host-oom-at-start`` (the
-processes the kernel kills at start-up), ``memory.gpu-oom``, ``memory.fits``. Model states only: activations are
-not included.
+processes the kernel kills at start-up), ``memory.gpu-oom``, ``memory.fits`` (only for a row known to fit both),
+``memory.needs`` (a row whose fit is not known). Without ``--gpu-mem`` and no GPU here (a CPU login node, where
+runs are planned) no row is "likely" and nothing is said to fit: the GPU side is "GPU memory unknown: pass
+--gpu-mem". A figure the unknown largest layer adds to is printed ``13.04+L``, never as a bound like ``≥0.00``.
+Model states only: activations are not included.
 
 The model comes from ``--params 7B [--largest-layer 131M]`` or ``--model`` (a Hugging Face config.json, or a
 folder holding one), built on the meta device: exact counts, no weights, no network. The class built is the
@@ -155,12 +158,41 @@ def model_counts(path: str, model_class: str | None = None) -> dict[str, Any]:
 
 
 def _fits_word(r) -> str:
+    """``yes``, ``no (host)``, or what is known of each side: ``host yes, GPU ?`` (the legend says why ``?``)."""
     if r.fits is True:
         return "yes"
     bad = [w for w, ok in (("host", r.fits_cpu), ("GPU", r.fits_gpu)) if ok is False]
     if bad:
         return "no (" + ", ".join(bad) + ")"
-    return "?"
+    return f"host {'yes' if r.fits_cpu else '?'}, GPU {'yes' if r.fits_gpu else '?'}"
+
+
+def _figure(gib: float, lower_bound: bool) -> str:
+    """A table figure; ``+L`` where the unknown largest layer adds to it (never a bare ``≥0.00``)."""
+    return f"{gib:.2f}+L" if lower_bound else f"{gib:.2f}"
+
+
+def legend(rows, marked_likely: bool, gpu_known: bool, configured: bool = False) -> list[str]:
+    """The lines under the table that explain its marks (only those that occur)."""
+    marks = (["> configured row"] if configured else []) + (
+        ["* likely row (the fastest setup that fits the GPU)"] if marked_likely else [])
+    if not gpu_known and not configured:
+        marks.append("no likely row: GPU memory unknown: pass --gpu-mem")
+    out = ["  " + "; ".join(marks) + "."] if marks else []
+    if any(r.cpu_lower_bound or r.gpu_lower_bound for r in rows):
+        out.append("  +L = plus a term for the largest layer, unknown (pass --largest-layer N, or --model): ZeRO-3 "
+                   "gathers it whole on each GPU (4 B x its params), zero.Init builds it in fp32 on each rank's host.")
+    reasons = []
+    if not gpu_known and any(r.fits is None and r.fits_gpu is None for r in rows):
+        reasons.append("GPU memory unknown (pass --gpu-mem)")
+    if any(r.fits is None and ((r.fits_cpu is None and r.cpu_lower_bound) or (r.fits_gpu is None and r.gpu_lower_bound))
+           for r in rows):
+        reasons.append("a +L figure fits only if the largest layer is small enough")
+    if any(r.fits is None and r.fits_cpu is None and not r.cpu_lower_bound for r in rows):
+        reasons.append("host RAM unknown (pass --cpu-mem)")
+    if reasons:
+        out.append("  ? = cannot tell: " + "; ".join(reasons) + ".")
+    return out
 
 
 def render_table(rows, configured_key, judged_key, judged_label: str) -> str:
@@ -171,8 +203,8 @@ def render_table(rows, configured_key, judged_key, judged_label: str) -> str:
         mark = ">" if r.key == configured_key else ("*" if r.key == judged_key else "")
         note = "configured" if r.key == configured_key else (judged_label if r.key == judged_key else "")
         zi = "" if r.zero_init is None else ("yes" if r.zero_init else "no")
-        cpu = ("≥" if r.cpu_lower_bound else "") + f"{r.cpu_gib:.2f}"
-        gpu = ("≥" if r.gpu_lower_bound else "") + f"{r.gpu_gib:.2f}"
+        cpu = _figure(r.cpu_gib, r.cpu_lower_bound)
+        gpu = _figure(r.gpu_gib, r.gpu_lower_bound)
         src = "DS" if r.source == "deepspeed" else ""
         body.append((mark, str(r.stage), r.offload_param, r.offload_optimizer, zi, cpu, gpu, _fits_word(r), src,
                      "<- " + note if note else ""))
@@ -223,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             gpu_probe = gpu_probe or visible_gpus()
             gpu_gib = gpu_probe[1]
-            gpu_source = f"first visible GPU ({gpu_probe[2]})" if gpu_gib else "unknown (no GPU visible; --gpu-mem)"
+            gpu_source = (f"first visible GPU ({gpu_probe[2]})" if gpu_gib else
+                          "no GPU visible here: pass --gpu-mem for the GPUs the job will run on")
         zero_init = None if args.zero_init is None else args.zero_init == "yes"
         configured = None
         nvme = M.NvmeSettings()
@@ -302,7 +335,8 @@ def run(args: argparse.Namespace) -> int:
         print()
         other = "fp16 needs the same as bf16" if precision != "fp32" else "fp16/bf16: --precision bf16"
         print(f"  DS = DeepSpeed's estimators compute this row too (same numbers); {other}; all precisions in --json.")
-        print("  > configured row, * likely row; ≥ = lower bound (largest layer unknown).")
+        print("\n".join(legend(own, judged is not None and configured is None, gpu_gib is not None,
+                                configured is not None)))
         if nodes > 1:
             print("  ZeRO-1/2 offload host figures follow DeepSpeed's: every rank's start-up copy and all optimizer "
                   "states counted on each node (an overestimate on several nodes).")

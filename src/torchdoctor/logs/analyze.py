@@ -12,9 +12,10 @@ Example usage::
     report = a.finish()
     print(report.findings, report.timeline, report.to_json())
 
-The parts: :mod:`.patterns` (what a line looks like), :mod:`.scan` (reading, progress, messages over lines),
-:mod:`.handlers` (a matched line becomes facts), :mod:`.scale_trajectory` (the fp16 loss scale and its verdict),
-:mod:`.judge` and :mod:`.judge_process` (the other verdicts); this module puts them together. What it recognises
+The parts: :mod:`.patterns` (what a line looks like), :mod:`.scan` (reading, decoding, progress, messages over
+lines), :mod:`.handlers` and :mod:`.handlers_crash` (a matched line becomes facts), :mod:`.scale_trajectory` (the
+fp16 loss scale and its verdict), :mod:`.judge`, :mod:`.judge_process` and :mod:`.judge_crash` (the other verdicts:
+a traceback, a segfault or a CUDA runtime error is never "clean"); this module puts them together. What it recognises
 is in :mod:`.patterns` (DeepSpeed fp16 loss scaling, non-finite losses in Trainer dicts and
 progress bars, NCCL timeouts and errors, CUDA and host out-of-memory, killed ranks and launcher exit codes,
 CUDA/compiler build failures, DeepSpeed config assertions). All state is bounded: the timeline keeps its first and

@@ -11,6 +11,7 @@ from typing import Any
 
 from . import patterns as P
 from .common import CURRENT, MAX_KEYS, add, clip, num, seen, signal_name
+from .handlers_crash import CrashHandlers
 
 _OOM_ERROR_LINE = re.compile(r"(?<!except )(?<!except\()\b(?:\w+\.)*OutOfMemoryError: \S|CUDA error: out of memory")
 _NONFINITE_WORDS = ("nan", "inf", "-inf", "+inf", "infinity", "-infinity")
@@ -20,11 +21,14 @@ def _nonfinite(text: str | None) -> bool:
     return text is not None and text.strip("'\"").lower().removeprefix("tensor(") in _NONFINITE_WORDS
 
 
-class Handlers:
-    """Mixin of :class:`~torchdoctor.logs.analyze.Analyzer`: the state the handlers fill, and the handlers."""
+class Handlers(CrashHandlers):
+    """Mixin of :class:`~torchdoctor.logs.analyze.Analyzer`: the state the handlers fill, and the handlers (the crash
+    ones are in :mod:`.handlers_crash`)."""
 
     def _init_handlers(self) -> None:
         from .scale_trajectory import ScaleTrajectory
+
+        self._init_crash()
 
         # fp16 loss scaling
         self._scale = ScaleTrajectory()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..advice import fp16_collapse_fix
 from ..findings import Finding
 from .common import fmt_scale
+from .judge_crash import CrashJudge
 from .judge_process import ProcessJudge
 from .scale_trajectory import judge_fp16
 
@@ -23,15 +24,16 @@ HF_HIDDEN_NAN_WHY = (
 )
 
 
-class Judges(ProcessJudge):
+class Judges(ProcessJudge, CrashJudge):
     """Mixin of :class:`~torchdoctor.logs.analyze.Analyzer`: the judging half."""
 
     def _judge(self) -> list[Finding]:
         self._resolve_progress()
         out: list[Finding] = []
         for fn in (self._judge_fp16, self._judge_grad, self._judge_loss, self._judge_nccl, self._judge_cuda_oom,
-                   self._judge_process, self._judge_build, self._judge_config):
+                   self._judge_cuda, self._judge_process, self._judge_build, self._judge_config):
             out.extend(fn())
+        out.extend(self._judge_exception(out))
         if self._internal_errors:
             out.append(Finding("logs.analyzer-error", "info",
                                f"{self._internal_errors} line(s) could not be analysed (skipped)",
@@ -46,7 +48,8 @@ class Judges(ProcessJudge):
                                    evidence=["nothing to analyse: check the file name, or that the run wrote to it"]))
         elif not any(f.severity in ("warn", "fail") for f in out):
             ev = [f"{self._lines} lines read; checked for fp16 loss-scale collapse, non-finite loss, NCCL timeouts and "
-                  "errors, CUDA and host out-of-memory, killed processes, CUDA/compiler build failures"]
+                  "errors, CUDA and host out-of-memory, killed processes and crashes, tracebacks, CUDA runtime "
+                  "errors, CUDA/compiler build failures"]
             if self._max_step is not None:
                 ev.append(f"last step seen: {self._step}" + (f" of {self._planned}" if self._planned else ""))
             out.append(Finding("logs.clean", "ok", f"no failure signatures in {self._lines} lines", evidence=ev,

@@ -24,6 +24,20 @@ def who(k: dict) -> str:
     return s
 
 
+SIGKILL_SENDERS = (
+    "who else sends SIGKILL, and how to tell: the job scheduler at its time limit, on scancel or on preemption "
+    "(Slurm: sacct -j JOBID -o JobID,State,ExitCode,Elapsed,Timelimit,MaxRSS,ReqMem -- State TIMEOUT, CANCELLED, "
+    "PREEMPTED or OUT_OF_MEMORY), a `kill -9` by a user or a watchdog, a launcher stopping the other ranks after one "
+    "failed (look for the first rank that failed); the OOM killer leaves a 'Killed process PID' line in dmesg -T")
+_LOCAL = {"localhost", "127.0.0.1", "::1", "localhost.localdomain"}
+
+
+def same_host(a: str, b: str) -> bool:
+    """torchrun names this machine ``localhost`` in its summary (single-node runs); a domain may be added or not."""
+    a, b = a.lower(), b.lower()
+    return a == b or a in _LOCAL or b in _LOCAL or a.split(".")[0] == b.split(".")[0]
+
+
 class ProcessJudge:
     """Mixin: ``_judge_process``."""
 
@@ -51,7 +65,7 @@ class ProcessJudge:
             sev = "fail"
             # what `torchdoctor run` saw on this machine; a kill reported for another host is not covered by it
             run = self._run
-            if run is not None and primary["host"] and run.get("host") and primary["host"] != run["host"]:
+            if run is not None and primary["host"] and run.get("host") and not same_host(primary["host"], run["host"]):
                 run = None
             sched = ("check who else sends SIGKILL: the job scheduler's record (Slurm: sacct -j JOBID -o "
                      "State,ExitCode,MaxRSS,ReqMem,Timelimit), a watchdog or parent process that kills its workers "
@@ -80,14 +94,21 @@ class ProcessJudge:
                     if run.get("exit_code") == 0:
                         sev = "warn"  # the command carried on and succeeded
                 elif run is not None and run["memory_low"] is False and (self._cpu_mem_pct_max or 0) < 80:
-                    cause = ("host memory never ran low while torchdoctor run watched, so the OOM killer is less "
-                             "likely than another sender (the kernel log, which would tell, could not be read)")
-                    fix = [fix[0], sched, *fix[1:]]
+                    cause = ("host memory never ran low while torchdoctor run watched, so another sender (a "
+                             "scheduler's time limit, scancel, preemption, `kill -9`) is likelier than the OOM "
+                             "killer (no kernel-log line for the command's processes tells either way)")
+                    fix = [SIGKILL_SENDERS, *fix]
+                elif run is not None and run["memory_low"]:
+                    cause = ("likely the kernel's OOM killer: memory ran low while torchdoctor run watched (the "
+                             "kernel log, which would confirm it, could not be read)")
                 elif (self._cpu_mem_pct_max or 0) >= 80:
-                    cause = (f"most likely the kernel's OOM killer: host RAM ran out (DeepSpeed last reported "
+                    cause = (f"likely the kernel's OOM killer: host RAM ran low (DeepSpeed last reported "
                              f"{self._cpu_mem_pct_max:g}% of host memory in use)")
                 else:
-                    cause = "most likely the kernel's OOM killer: host RAM ran out"
+                    cause = ("the log does not say who sent it: it could be the kernel's OOM killer (host RAM ran "
+                             "out) or the job scheduler (a time limit, scancel, preemption), a `kill -9`, or a "
+                             "launcher killing the other ranks after one failed")
+                    fix = [fix[0], SIGKILL_SENDERS, *fix[1:]]
                 if run is not None:
                     ev += run["evidence"]
             elif sig == 6:
@@ -96,10 +117,14 @@ class ProcessJudge:
                     cause = "an abort after the NCCL failure above"
                     sev = "warn"  # explained (and failed) by the comm finding
                 fix = ["the cause is the error printed just before the abort; see the other findings"]
-            elif sig == 11:
-                cause = "a segmentation fault (a native extension or a CUDA/driver mismatch)"
-                fix = ["rerun with python -X faulthandler to get the Python stack",
-                       "torchdoctor env checks that torch, the CUDA toolkit and prebuilt extensions match"]
+            elif sig in (11, 4, 8):
+                cause = {11: "a segmentation fault", 4: "an illegal instruction", 8: "a floating-point exception"}[sig]
+                cause += (" in native code (a C/C++/CUDA extension built for another torch, Python or CPU, or a "
+                          "driver mismatch)")
+                fix = ["rerun with python -X faulthandler (or PYTHONFAULTHANDLER=1) to get the Python stack of the "
+                       "crash; gdb -batch -ex bt python core (or coredumpctl gdb) for the native one",
+                       "torchdoctor env checks that torch, the CUDA toolkit and prebuilt extensions match; reinstall "
+                       "extensions (flash-attn, apex, DeepSpeed ops, bitsandbytes) against this torch"]
             elif sig == 7:
                 cause = "a bus error: usually /dev/shm too small for dataloader workers or NCCL"
                 fix = ["give the container --ipc=host or a larger --shm-size; or use fewer dataloader workers"]
@@ -112,13 +137,17 @@ class ProcessJudge:
                        "from a checkpoint"]
             else:
                 cause = f"signal {signal_name(sig)}"
-            title = f"{culprit} was killed by {signal_name(sig)} ({-sig}): {cause}"
+            verb = "crashed with" if sig in (4, 6, 7, 8, 11) else "was killed by"
+            core = " (core dumped)" if any("core dumped" in k["text"] for k in kills) else ""
+            title = f"{culprit} {verb} {signal_name(sig)} ({-sig}){core}: {cause}"
             out.append(Finding("process.killed", sev, title, ev, fix,
                                {"kills": kills, "host_oom": self._host_oom_n > 0, **data_common}))
         if exits:
             first = exits[0]
             codes = sorted({x["code"] for x in exits})
             ev = [f"line {x['line']}: {x['text']}" for x in exits[:3]]
+            if not self._tb_n:  # no traceback to point at: quote the end of the log
+                ev += [f"last lines: {x}" for x in self.last_lines(4)]
             out.append(Finding(
                 "process.exit-code", "warn",
                 f"a training process exited with code {', '.join(map(str, codes))}"

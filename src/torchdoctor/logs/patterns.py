@@ -54,7 +54,7 @@ SCAN_ANCHORS = (
     "Watchdog caught", "Heartbeat monitor timed out", "NCCL", "InternalError", "SystemError", "UnhandledCudaError",
     "RemoteError", "InvalidUsage", "InvalidArgument",
     # memory
-    "CUDA out of memory", "CUDA error: out of memory", "OutOfMemoryError", "Out of memory", "Killed", "OOM",
+    "CUDA out of memory", "OutOfMemoryError", "Out of memory", "Killed", "OOM",
     "CPU Virtual Memory", "Max_MA",
     # process exits (the "exitcode" family is EXIT_SCAN_RE)
     "SIG", "CANCELLED",
@@ -65,6 +65,10 @@ SCAN_ANCHORS = (
     "Unable to JIT load",
     # DeepSpeed config assertions
     "_batch_size is not equal",
+    # crashes: Python tracebacks, faulthandler, shells' signal messages, CUDA runtime errors, the driver
+    "Traceback (most recent", "Fatal Python error", "Segmentation fault", "Bus error", "Illegal instruction",
+    "Floating point exception", "Aborted", "CUDA error", "CUDA driver version", "NVIDIA driver", "NVRM: Xid",
+    "ECC error", "Assertion `", "CUDA capability",
 )
 
 
@@ -95,7 +99,13 @@ FINITE_LOSS_RE = re.compile(
 #: "_scale" finds DeepSpeed's config print (min_loss_scale, 'min_scale', initial_scale_power, 'init_scale') and its
 #: update_scale traceback frame with one search.
 NEEDLES = ("bfloat16 and fp16 modes", "      : ", " error: ", "unable to compile CUDA", "| loss scale: ", "_scale",
-           "died due to signal")
+           "died due to signal", "terminate called after")
+#: A traceback's frames and its last line (``ValueError: bad``, ``torch.AcceleratorError: CUDA error: ...``,
+#: ``KeyboardInterrupt``): searched with str.find only while a traceback is open, from where one starts (each
+#: needle is a pass over the buffer: ~25 ms per 40 MB, so none is searched where no traceback can be).
+TB_NEEDLES = ('File "', "Error", "Exception", "Interrupt", "Exit", "Iteration")
+#: The SCAN_ANCHORS that start a traceback (a ``Traceback`` header, a faulthandler dump).
+TB_STARTS = ("Traceback (most recent", "Fatal Python error")
 
 # Progress markers, read lazily (only the last one before an event matters).
 TQDM_MARKERS = ("it/s", "s/it")
@@ -224,6 +234,47 @@ EXT_BUILD_RE = re.compile(r"Error building extension '([\w.-]+)'")
 JIT_LOAD_RE = re.compile(r"Unable to JIT load the (\w+) op due to (it not being compatible|ninja not being installed)")
 COMPILE_ERROR_RE = re.compile(r"^\s*(\S+?(?::\d+){1,2}|\S+\(\d+\)): (?:fatal )?error: (.*)")
 
+# crashes (see handlers_crash.py)
+#: torchrun's ``[rank3]: `` prefix as printed before every line of a worker's output (one space after the colon).
+RANK_STRIP_RE = re.compile(r"^\[(?:rank|default)(\d+)\]:[ ]?")
+_PFX = r"^(?:\[(?:rank|default)\d+\]:[ ]?)?"
+TRACEBACK_RE = re.compile(r"Traceback \(most recent call last\):")
+#: A traceback frame (``  File "x.py", line 3, in f``) or a faulthandler one (``  File "x.py", line 3 in f``).
+FRAME_RE = re.compile(_PFX + r'\s*File "(?P<file>[^"]+)", line (?P<ln>\d+),?\s+in (?P<fn>.*?)\s*$')
+#: The exception line that ends a traceback: a dotted class name, then ``: message`` or nothing.
+EXC_LINE_RE = re.compile(_PFX + r"(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*"
+                         r"(?:Error|Exception|Interrupt|Exit|Iteration|Warning|Failure|Fault|Timeout))"
+                         r"(?::[ \t]*(?P<msg>.*?))?\s*$")
+FATAL_PY_RE = re.compile(r"Fatal Python error: (?P<what>[^\n]*?)\s*$")
+#: What a shell (bash, Slurm's script) prints when the command died of a signal; ``Aborted`` alone only with the
+#: shell's ``line N: PID`` prefix or ``(core dumped)``.
+SHELL_SIGNAL_RE = re.compile(
+    r"(?:^|: line \d+: +(?P<pid>\d+) )"
+    r"(?P<name>Segmentation fault|Bus error|Illegal instruction|Floating point exception|Aborted)"
+    r"(?P<core>\s+\(core dumped\))?(?P<rest>.*)$")
+CPP_TERMINATE_RE = re.compile(r"terminate called after throwing an instance of '(?P<type>[^']+)'")
+CPP_WHAT_RE = re.compile(_PFX + r"\s*what\(\):\s*(?P<msg>.*?)\s*$")
+DATALOADER_KILLED_RE = re.compile(
+    r"DataLoader worker \(pid (?P<pid>\d+)\) is killed by signal: (?P<name>[A-Za-z ]+?)\.")
+#: CUDA runtime errors (torch's ``CUDA error: <cudaGetErrorString>``, flash-attn/NCCL's ``Cuda failure '...'``).
+CUDA_ERROR_RE = re.compile(r"CUDA error: (?P<msg>.*?)\s*$|(?P<bare>an illegal memory access was encountered"
+                           r"|no kernel image is available for execution on the device|device-side assert triggered)")
+CUDA_DRIVER_RE = re.compile(
+    r"CUDA driver version is insufficient for CUDA runtime version"
+    r"|The NVIDIA driver on your system is too old \(found version (?P<found>\d+)\)")
+#: torch's warning before a "no kernel image" error: the GPU's capability and the wheel's arch list.
+CUDA_CAPABILITY_RE = re.compile(
+    r"with CUDA capability (?P<cap>sm_\d+\w?) is not compatible with the current PyTorch installation"
+    r"(?:\.\s*The current PyTorch install supports CUDA capabilities (?P<archs>(?:sm_\d+\w?\s*)+))?")
+#: ... whose next line (torch prints it on its own line) lists the wheel's architectures.
+CUDA_ARCHS_RE = re.compile(r"The current PyTorch install supports CUDA capabilities (?P<archs>(?:sm_\d+\w?\s*)+)")
+XID_RE = re.compile(r"NVRM: Xid \((?P<pci>[^)]*)\): (?P<code>\d+),\s*(?P<rest>.*?)\s*$")
+ECC_RE = re.compile(r"(?i:uncorrectable ECC error|ECC error)")
+#: A line worth quoting when a run failed with no recognised cause.
+ERRORISH_RE = re.compile(r"(?i:error|exception|traceback|fatal|failed|failure|abort|killed|segmentation|core dumped"
+                         r"|cannot|unable|denied|not found|no such)")
+DEVICE_ASSERT_RE = re.compile(r"Assertion `(?P<cond>[^`]*)` failed")
+
 # DeepSpeed config
 DS_BF16_FP16_RE = re.compile(r"bfloat16 and fp16 modes cannot be simultaneously enabled")
 DS_BATCH_RE = re.compile(
@@ -231,6 +282,8 @@ DS_BATCH_RE = re.compile(
     r" (\d+) != (\d+) \* (\d+) \* (\d+)")
 
 #: (substring that must be present, regex, Analyzer handler method). Checked in order on every candidate line.
+#: A traceback's frames and exception line (FRAME_RE, EXC_LINE_RE) are not here: they are tried only while a
+#: traceback is open (scan.Scanner._segment), so ordinary lines pay nothing for them.
 RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ("OVERFLOW", OVERFLOW_RE, "_on_overflow"),
     ("Overflow detected", OVERFLOW_RE, "_on_overflow"),
@@ -288,6 +341,23 @@ RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ("Error building extension", EXT_BUILD_RE, "_on_ext_build"),
     ("Unable to JIT load", JIT_LOAD_RE, "_on_jit_load"),
     (" error: ", COMPILE_ERROR_RE, "_on_compile_error"),
+    ("Traceback (most recent", TRACEBACK_RE, "_on_traceback"),
+    ("Fatal Python error", FATAL_PY_RE, "_on_fatal_python"),
+    ("terminate called after", CPP_TERMINATE_RE, "_on_cpp_terminate"),
+    ("is killed by signal", DATALOADER_KILLED_RE, "_on_dataloader_killed"),
+    ("CUDA driver version", CUDA_DRIVER_RE, "_on_cuda_driver"),
+    ("NVIDIA driver", CUDA_DRIVER_RE, "_on_cuda_driver"),
+    ("is not compatible with the current PyTorch", CUDA_CAPABILITY_RE, "_on_cuda_capability"),
+    ("CUDA error", CUDA_ERROR_RE, "_on_cuda_error"),
+    ("illegal memory access", CUDA_ERROR_RE, "_on_cuda_error"),
+    ("Assertion `", DEVICE_ASSERT_RE, "_on_device_assert"),
+    ("NVRM: Xid", XID_RE, "_on_xid"),
+    ("ECC error", ECC_RE, "_on_ecc"),
+    ("Segmentation fault", SHELL_SIGNAL_RE, "_on_shell_signal"),
+    ("Bus error", SHELL_SIGNAL_RE, "_on_shell_signal"),
+    ("Illegal instruction", SHELL_SIGNAL_RE, "_on_shell_signal"),
+    ("Floating point exception", SHELL_SIGNAL_RE, "_on_shell_signal"),
+    ("Aborted", SHELL_SIGNAL_RE, "_on_shell_signal"),
     ("bfloat16 and fp16 modes", DS_BF16_FP16_RE, "_on_ds_bf16_fp16"),
     ("train_batch_size is not equal", DS_BATCH_RE, "_on_ds_batch"),
 )

@@ -11,6 +11,7 @@ lines that follow it before it is matched (``patterns.JOINS``).
 from __future__ import annotations
 
 import codecs
+from collections import deque
 from typing import Any
 
 from . import patterns as P
@@ -28,6 +29,30 @@ from .common import (
 )
 
 _RULES = tuple((key, rx, name) for key, rx, name in P.RULES)
+SNIFF_BYTES = 4096   # bytes read before the encoding is chosen
+TAIL_CHARS = 4096    # characters of the end of the output kept for last_lines()
+
+
+def _decoder_for(head: bytes) -> tuple[str, Any]:
+    """The encoding and an incremental decoder for a log that starts with ``head`` (see ``Scanner.feed_bytes``)."""
+    enc = "utf-8"
+    if head.startswith(codecs.BOM_UTF8):
+        enc = "utf-8-sig"
+    elif head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        enc = "utf-16"  # the BOM says which end
+    elif len(head) >= 4:
+        even, odd = head[0::2], head[1::2]
+        if odd.count(0) > 0.4 * len(odd) and even.count(0) < 0.1 * len(even):
+            enc = "utf-16-le"
+        elif even.count(0) > 0.4 * len(even) and odd.count(0) < 0.1 * len(odd):
+            enc = "utf-16-be"
+        else:
+            try:
+                head.decode("utf-8")
+            except UnicodeDecodeError as e:
+                if e.start < len(head) - 3:  # not just a character cut at the end of the sniffed bytes
+                    enc = "latin-1"
+    return enc, codecs.getincrementaldecoder(enc)(errors="replace")
 
 
 class Scanner:
@@ -39,7 +64,11 @@ class Scanner:
         self._lines = 0
         self._midline = False      # text was read since the last newline (a line not counted yet)
         self._carry = ""
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._decoder: Any = None  # chosen from the first bytes (see _sniff)
+        self._sniff_buf = b""
+        self.encoding: str | None = None
+        self._tail: deque[str] = deque()  # the last TAIL_CHARS characters read, in pieces (the last error lines)
+        self._tail_len = 0
         self._timeline = HeadTail(TIMELINE_HEAD, TIMELINE_TAIL)
         self._counts: Counter[str] = Counter()
         self._internal_errors = 0
@@ -70,8 +99,19 @@ class Scanner:
             self._internal_errors += 1
 
     def feed_bytes(self, data: bytes) -> None:
-        """Raw bytes as they come (any split, UTF-8 decoded with replacement). Never raises."""
+        """Raw bytes as they come (any split). Never raises.
+
+        The encoding is chosen once, from the first ``SNIFF_BYTES`` (held back until that many arrived): a UTF-8 /
+        UTF-16 BOM; UTF-16LE/BE without one (PowerShell's ``>`` writes UTF-16LE; every other byte of ASCII text is
+        NUL); else UTF-8, unless those bytes are not valid UTF-8 (Latin-1 then). Undecodable bytes become U+FFFD.
+        """
         try:
+            if self._decoder is None:
+                self._sniff_buf += bytes(data)
+                if len(self._sniff_buf) < SNIFF_BYTES:
+                    return
+                data, self._sniff_buf = self._sniff_buf, b""
+                self.encoding, self._decoder = _decoder_for(data)
             self._feed_text(self._decoder.decode(bytes(data)))
         except Exception:  # noqa: BLE001
             self._internal_errors += 1
@@ -99,9 +139,16 @@ class Scanner:
     def _flush_input(self) -> None:
         """The end of the input: a last line without a newline, a message head that never got its continuation."""
         try:
-            self._feed_text(self._decoder.decode(b"", final=True), final=True)
+            if self._decoder is None:
+                data, self._sniff_buf = self._sniff_buf, b""
+                self.encoding, self._decoder = _decoder_for(data)
+                text = self._decoder.decode(data, final=True)
+            else:
+                text = self._decoder.decode(b"", final=True)
+            self._feed_text(text, final=True)
         except Exception:  # noqa: BLE001
             self._internal_errors += 1
+        self._tb_expire(1 << 62)  # tracebacks still open: cut before their exception line
         if self._join is not None:
             _, _, name, seg, lineno, head = self._join
             self._join = None
@@ -130,6 +177,8 @@ class Scanner:
         self._buf, self._buf_end = buf, end
         if self._join is not None:
             self._finish_join(buf, end)
+        if self._frame_pending is not None or self._cpp_pending is not None or self._archs_pending:
+            self._finish_pending(buf, end)
         pos = [m.start() for m in P.SCAN_RE.finditer(buf, 0, end)]
         pos += [m.start() for m in P.EXIT_SCAN_RE.finditer(buf, 0, end)]
         pos += [m.start() for m in P.LOSS_SCAN_RE.finditer(buf, 0, end)]
@@ -139,6 +188,16 @@ class Scanner:
             while i >= 0:
                 pos.append(i)
                 i = buf.find(needle, i + 1, end)
+        if self._tb_open:
+            self._tb_expire(self._lines)
+        # a traceback's frames and exception line: looked for only from where one is open or starts (handlers_crash)
+        tb_from = 0 if self._tb_open else next((p for p in pos if buf.startswith(P.TB_STARTS, p)), -1)
+        if tb_from >= 0:
+            for needle in P.TB_NEEDLES:
+                i = buf.find(needle, tb_from, end)
+                while i >= 0:
+                    pos.append(i)
+                    i = buf.find(needle, i + 1, end)
         pos.sort()
         base, nl, counted, prev, seg_end = self._lines, 0, 0, 0, -1
         self._nf_end = self._norm_nf_end = None
@@ -183,11 +242,28 @@ class Scanner:
         self._lines = base + nl + buf.count("\n", counted, end)
         if end:
             self._midline = buf[end - 1] != "\n"
+            piece = buf[max(0, end - TAIL_CHARS):end]
+            self._tail.append(piece)
+            self._tail_len += len(piece)
+            while self._tail_len - len(self._tail[0]) >= TAIL_CHARS:
+                self._tail_len -= len(self._tail.popleft())
+
+    def last_lines(self, n: int = 5, errors: bool = True) -> list[str]:
+        """The last error-looking lines of the output (else its last lines): what a failure with no recognised
+        cause is quoted by. ``errors=False``: its last ``n`` lines, whatever they are."""
+        text = "".join(self._tail)
+        cut = len(text) > TAIL_CHARS
+        lines = [clip(P.ANSI_RE.sub("", ln)) for ln in text[-TAIL_CHARS:].replace("\r", "\n").split("\n")]
+        lines = [ln for ln in lines[1 if cut else 0:] if ln]  # the first may be cut
+        errs = [ln for ln in lines if P.ERRORISH_RE.search(ln)] if errors else []
+        return (errs or lines)[-n:]
 
     # ------------------------------------------------------------------------------ messages over lines
     def _following(self, n: int) -> list[str] | None:
         """Up to ``n`` lines after the current segment, in this buffer; None when it ends before the first."""
         buf, at, end = self._buf, self._seg_end, self._buf_end
+        if at + 1 < end and buf[at] == "\r" and buf[at + 1] == "\n":
+            at += 1  # a CRLF line end (Windows, PowerShell)
         if at < end and buf[at] != "\n":
             return []  # the segment ended at a \r: a bar redraw, not a wrapped message
         if at + 1 >= end:
@@ -337,6 +413,18 @@ class Scanner:
                         fired.discard(name)
                 except Exception:  # noqa: BLE001 -- one odd line must not cost the rest of the log
                     self._internal_errors += 1
+        if self._tb_open:  # a traceback's frames and exception line: only while one is open (handlers_crash)
+            try:
+                m = P.FRAME_RE.search(seg) if 'File "' in seg else None
+                if m is not None:
+                    self._on_frame(m, seg, lineno)
+                else:
+                    m = P.EXC_LINE_RE.search(seg)
+                    if m is not None:
+                        self._resolve_progress()
+                        self._on_exc_line(m, seg, lineno)
+            except Exception:  # noqa: BLE001
+                self._internal_errors += 1
 
     def _event(self, lineno: int, event: str, seg: str, step: Any = CURRENT) -> dict:
         e = {"line": lineno, "step": self._step if step is CURRENT else step, "event": event, "text": clip(seg)}

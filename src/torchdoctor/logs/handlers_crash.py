@@ -1,0 +1,254 @@
+"""The line handlers for crashes: Python tracebacks, faulthandler dumps, C++ ``terminate called``, the signal
+messages shells print, CUDA runtime errors, the driver, Xid and ECC lines. Like :mod:`.handlers` they record facts
+and judge nothing (:mod:`.judge_crash` does).
+
+A traceback is followed rank by rank (torchrun prefixes every line with ``[rankN]:``, and ranks interleave): it is
+*open* from its ``Traceback (most recent call last):`` while its frames keep coming (each within
+``TB_GAP`` lines of the last), and ends at its exception line. The exception line is found by searching for
+``patterns.EXC_NEEDLES`` only while a traceback is open (see :mod:`.scan`), so a log without tracebacks pays
+nothing for it. A traceback printed right after another one's exception line (``During handling of the above
+exception`` / ``The above exception was the direct cause``) is the same failure: it keeps the first one's
+exception as its ``cause``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from . import patterns as P
+from .common import HeadTail, add, clip
+
+TB_GAP = 20                 # lines between two frames (or the last frame and the exception) of one traceback
+TB_KEEP_HEAD, TB_KEEP_TAIL = 8, 24  # finished tracebacks kept: the first and the last
+MAX_OPEN = 64               # tracebacks open at once (one per rank)
+
+#: Path parts of code that is not the user's: installed packages, the standard library, frozen modules.
+_LIBRARY_PARTS = ("site-packages", "dist-packages", "<frozen", "/lib/python", "\\lib\\", "\\Lib\\", "/lib64/python",
+                  "/usr/lib/python", "<attrs generated", "<__array_function__", "/bin/", "\\Scripts\\")
+#: The messages shells and strsignal print for a signal -> its number (Linux).
+SIGNAL_WORDS = {"Segmentation fault": 11, "Bus error": 7, "Illegal instruction": 4, "Floating point exception": 8,
+                "Aborted": 6, "Killed": 9, "Terminated": 15, "Interrupt": 2, "Hangup": 1, "Quit": 3}
+#: CUDA runtime messages -> the finding's kind (the first that is in the message wins).
+CUDA_KINDS = (
+    ("illegal memory access", "illegal-memory-access"), ("illegal address", "illegal-memory-access"),
+    ("misaligned address", "illegal-memory-access"), ("unspecified launch failure", "illegal-memory-access"),
+    ("illegal instruction", "illegal-memory-access"),
+    ("no kernel image", "no-kernel-image"), ("device-side assert", "device-assert"),
+    ("driver version is insufficient", "driver-too-old"), ("ECC", "ecc"),
+)
+
+
+def is_user_code(path: str) -> bool:
+    """A frame in the user's own code (not site-packages, the standard library or a frozen module)."""
+    return not any(part in path for part in _LIBRARY_PARTS)
+
+
+def _plain(line: str) -> str:
+    """A line read ahead of the scanner (which strips colours from the segments it hands out itself)."""
+    return P.ANSI_RE.sub("", line) if "\x1b" in line else line
+
+
+def _strip_rank(seg: str) -> tuple[int | None, str]:
+    m = P.RANK_STRIP_RE.match(seg)
+    return (int(m.group(1)), seg[m.end():]) if m else (None, seg)
+
+
+class CrashHandlers:
+    """Mixin of :class:`~torchdoctor.logs.analyze.Analyzer`: crash facts."""
+
+    def _init_crash(self) -> None:
+        self._tb_open: dict[Any, dict] = {}     # rank -> the traceback whose frames are arriving
+        self._tb_last: dict[Any, dict] = {}     # rank -> its last finished traceback (for chained ones)
+        self._tbs = HeadTail(TB_KEEP_HEAD, TB_KEEP_TAIL)
+        self._tb_n = 0
+        self._cpp_pending: dict | None = None
+        self._frame_pending: dict | None = None  # a frame whose code line is in the next buffer
+        self._archs_pending = False
+        self._cuda_errors: dict[str, dict] = {}  # kind -> {"count", "events": [...]}
+        self._cuda_capability: dict | None = None
+        self._driver_old: list[dict] = []
+        self._device_asserts: list[dict] = []
+        self._xids: list[dict] = []
+        self._ecc: list[dict] = []
+        self._exit_code: int | None = None      # the command's own exit status, when `run` knows it
+
+    # ------------------------------------------------------------------------------------------ tracebacks
+    def _tb_close(self, rank: Any) -> None:
+        tb = self._tb_open.pop(rank, None)
+        if tb is not None:
+            self._tbs.append(tb)
+            self._tb_n += 1
+            self._tb_last[rank] = tb
+
+    def _tb_expire(self, lineno: int) -> None:
+        """Close the tracebacks whose frames stopped coming (a log cut before the exception line)."""
+        for rank in [r for r, tb in self._tb_open.items() if lineno - tb["last"] > TB_GAP]:
+            self._tb_close(rank)
+
+    def _new_tb(self, lineno: int, rank: Any, kind: str, exc: dict | None = None) -> dict:
+        self._tb_close(rank)
+        if len(self._tb_open) >= MAX_OPEN:
+            self._tb_expire(1 << 62)
+        tb = {"line": lineno, "rank": rank, "kind": kind, "frames": 0, "last": lineno, "user": None, "inner": None,
+              "first_user": None, "exc": exc, "cause": None, "step": self._step, "chained": False}
+        prev = self._tb_last.get(rank)
+        if kind == "python" and prev is not None and prev["exc"] is not None and lineno - prev["exc"]["line"] <= 4:
+            prev["chained"] = True  # "During handling of the above exception ..." / "... the direct cause of ..."
+            tb["cause"] = prev["exc"] if prev["cause"] is None else prev["cause"]
+            tb["first_user"] = prev["user"]
+        self._tb_open[rank] = tb
+        return tb
+
+    def _on_traceback(self, m: re.Match, seg: str, lineno: int) -> None:
+        rank, _ = _strip_rank(seg)
+        self._new_tb(lineno, rank, "python")
+
+    def _on_frame(self, m: re.Match, seg: str, lineno: int) -> None:
+        rank, _ = _strip_rank(seg)
+        tb = self._tb_open.get(rank)
+        if tb is None or lineno - tb["last"] > TB_GAP:
+            return  # a stack printed outside a traceback (a warning's), or one whose start is cut off
+        frame = {"file": m["file"], "line": int(m["ln"]), "func": m["fn"], "log_line": lineno, "code": None}
+        nxt = self._following(1)
+        if nxt is None:  # the code line is in the next buffer
+            self._frame_pending = frame
+        elif nxt:
+            self._frame_code(frame, nxt[0])
+        tb["frames"] += 1
+        tb["last"] = lineno
+        if tb["kind"] == "faulthandler":  # most recent call first: the innermost frame is the first one
+            if tb["inner"] is None:
+                tb["inner"] = frame
+            if tb["user"] is None and is_user_code(frame["file"]):
+                tb["user"] = frame
+        else:
+            tb["inner"] = frame
+            if is_user_code(frame["file"]):
+                tb["user"] = frame
+
+    @staticmethod
+    def _frame_code(frame: dict, line: str) -> None:
+        code = _strip_rank(_plain(line).strip())[1].strip()
+        if code and not code.startswith(("File ", "^", "~")):
+            frame["code"] = clip(code, 160)
+
+    def _on_exc_line(self, m: re.Match, seg: str, lineno: int) -> None:
+        rank, rest = _strip_rank(seg)
+        tb = self._tb_open.get(rank)
+        if tb is None or tb["exc"] is not None or not tb["frames"] or lineno - tb["last"] > TB_GAP \
+                or rest[:1].isspace():
+            return
+        tb["exc"] = {"line": lineno, "type": m["type"], "msg": clip(m["msg"] or "", 400), "text": clip(seg)}
+        tb["step"] = self._step
+        self._event(lineno, "exception", seg)
+        self._tb_close(rank)
+
+    def _on_fatal_python(self, m: re.Match, seg: str, lineno: int) -> None:
+        """faulthandler: ``Fatal Python error: Segmentation fault``, then the stack, most recent call first."""
+        rank, _ = _strip_rank(seg)
+        what = m["what"].strip()
+        exc = {"line": lineno, "type": "Fatal Python error", "msg": clip(what, 200), "text": clip(seg)}
+        self._new_tb(lineno, rank, "faulthandler", exc)
+        sig = SIGNAL_WORDS.get(what)
+        if sig is not None:
+            self._exit(lineno, seg, -sig, "python faulthandler", rank=rank)
+
+    def _on_cpp_terminate(self, m: re.Match, seg: str, lineno: int) -> None:
+        rank, _ = _strip_rank(seg)
+        tb = {"line": lineno, "rank": rank, "kind": "c++", "frames": 0, "last": lineno, "user": None, "inner": None,
+              "first_user": None, "cause": None, "step": self._step, "chained": False,
+              "exc": {"line": lineno, "type": m["type"], "msg": "", "text": clip(seg)}}
+        self._tbs.append(tb)
+        self._tb_n += 1
+        self._event(lineno, "exception", seg)
+        nxt = self._following(1)  # "  what():  <message>"
+        if nxt is None:
+            self._cpp_pending = tb
+        elif nxt:
+            self._cpp_what(tb, nxt[0])
+
+    def _cpp_what(self, tb: dict, line: str) -> None:
+        m = P.CPP_WHAT_RE.match(_plain(line).strip())
+        if m:
+            tb["exc"]["msg"] = clip(m["msg"], 400)
+
+    def _finish_pending(self, buf: str, end: int) -> None:
+        """A frame's code line, a C++ exception's ``what():``, the wheel's arch list: the first line of this buffer."""
+        e = buf.find("\n", 0, min(end, 400))
+        line = buf[: e if e >= 0 else min(end, 400)]
+        if self._frame_pending is not None:
+            frame, self._frame_pending = self._frame_pending, None
+            self._frame_code(frame, line)
+        if self._cpp_pending is not None:
+            tb, self._cpp_pending = self._cpp_pending, None
+            self._cpp_what(tb, line)
+        if self._archs_pending:
+            self._archs_pending = False
+            self._cuda_archs(line)
+
+    # ------------------------------------------------------------------------------------- signals
+    def _on_shell_signal(self, m: re.Match, seg: str, lineno: int) -> None:
+        """``Segmentation fault (core dumped)``, ``script.sh: line 3: 123 Bus error  python x.py`` (bash, Slurm)."""
+        if not (m["pid"] or m["core"] or not m["rest"].strip()):
+            return  # "Aborted training ..." is a sentence, not a shell's report
+        self._exit(lineno, seg, -SIGNAL_WORDS[m["name"]], "shell", pid=int(m["pid"]) if m["pid"] else None)
+
+    def _on_dataloader_killed(self, m: re.Match, seg: str, lineno: int) -> None:
+        sig = SIGNAL_WORDS.get(m["name"].strip())
+        if sig is not None:
+            self._exit(lineno, seg, -sig, "DataLoader worker", pid=int(m["pid"]))
+
+    # ----------------------------------------------------------------------------------------- CUDA
+    def _cuda(self, kind: str, lineno: int, seg: str, msg: str, **extra: Any) -> None:
+        d = self._cuda_errors.setdefault(kind, {"count": 0, "events": []})
+        d["count"] += 1
+        if d["count"] <= 16:
+            self._event(lineno, "cuda-error", seg)
+        add(d["events"], {"line": lineno, "step": self._step, "rank": self._rank(seg), "msg": clip(msg, 300),
+                          "text": clip(seg), **extra}, 8)
+
+    def _on_cuda_error(self, m: re.Match, seg: str, lineno: int) -> None:
+        msg = (m["msg"] if m["msg"] is not None else m["bare"]) or ""
+        if msg.startswith("out of memory"):
+            return  # memory.cuda-oom
+        kind = next((k for word, k in CUDA_KINDS if word in msg), "error")
+        self._cuda(kind, lineno, seg, msg)
+
+    def _on_cuda_driver(self, m: re.Match, seg: str, lineno: int) -> None:
+        if "CUDA error" in seg:
+            return  # the CUDA error rule records it
+        self._cuda("driver-too-old", lineno, seg, m.group(0), found=m["found"])
+
+    def _on_cuda_capability(self, m: re.Match, seg: str, lineno: int) -> None:
+        if self._cuda_capability is None:
+            self._cuda_capability = {"line": lineno, "capability": m["cap"],
+                                     "arch_list": (m["archs"] or "").split(), "text": clip(seg)}
+            self._event(lineno, "cuda-arch", seg)
+            if not m["archs"]:  # torch prints them on the next line
+                nxt = self._following(1)
+                if nxt is None:
+                    self._archs_pending = True
+                elif nxt:
+                    self._cuda_archs(nxt[0])
+
+    def _cuda_archs(self, line: str) -> None:
+        m = P.CUDA_ARCHS_RE.search(_plain(line))
+        if m and self._cuda_capability is not None:
+            self._cuda_capability["arch_list"] = m["archs"].split()
+            self._cuda_capability["text"] += " / " + clip(line, 200)
+
+    def _on_device_assert(self, m: re.Match, seg: str, lineno: int) -> None:
+        if len(self._device_asserts) < 4 and not any(a["cond"] == m["cond"] for a in self._device_asserts):
+            self._device_asserts.append({"line": lineno, "cond": m["cond"], "text": clip(seg)})
+
+    def _on_xid(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._event(lineno, "xid", seg)
+        add(self._xids, {"line": lineno, "code": int(m["code"]), "pci": m["pci"], "detail": clip(m["rest"], 200),
+                         "text": clip(seg)}, 8)
+
+    def _on_ecc(self, m: re.Match, seg: str, lineno: int) -> None:
+        if "CUDA error" in seg or "NVRM: Xid" in seg:
+            return
+        self._event(lineno, "ecc", seg)
+        add(self._ecc, {"line": lineno, "text": clip(seg)}, 8)
