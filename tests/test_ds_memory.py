@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchdoctor.deepspeed import memory as M
-from torchdoctor.deepspeed import memory_run
+from torchdoctor.deepspeed import memory_rules, memory_run
 
 ds_zero2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
 ds_zero3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
@@ -611,7 +611,7 @@ def test_a_row_not_known_to_fit_gets_no_fits_verdict(capsys):
     assert "≥" not in out and "0.00+L" in out  # ZeRO-3 with offloaded params: only the largest layer
     # a configured row whose GPU side is unknown: what it needs, no "fits" (it was memory.fits, info)
     cfg = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
-    findings, row = M.judge(M.estimate(M.Inputs(7 * 10**9, None, 8, 1, 1024.0, None)), M.Inputs(
+    findings, row = memory_rules.judge(M.estimate(M.Inputs(7 * 10**9, None, 8, 1, 1024.0, None)), M.Inputs(
         7 * 10**9, None, 8, 1, 1024.0, None), "bf16", M.configured_from_ds_config(cfg, None, None))
     ids = {f.id: f for f in findings}
     assert row is not None and "memory.fits" not in ids and ids["memory.needs"].severity == "info"

@@ -219,6 +219,7 @@ def render_table(rows, configured_key, judged_key, judged_label: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from ..findings import render_text
     from . import memory as M
+    from . import memory_rules as R
 
     try:
         if args.params is None and args.model is None:
@@ -280,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
     rows = M.estimate(inputs)
-    findings, judged = M.judge(rows, inputs, precision, configured)
+    findings, judged = R.judge(rows, inputs, precision, configured)
     configured_key = configured.key if configured else None
     judged_label = "likely: fastest setup that fits the GPU"
 
@@ -308,9 +309,9 @@ def run(args: argparse.Namespace) -> int:
         print(dumps(out, indent=1))
     else:
         what = (f"{model_info['class']} from {model_info['config']}: " if model_info else "")
-        what += f"{total:,} params ({M.fmt_count(total)})"
+        what += f"{total:,} params ({R.fmt_count(total)})"
         if largest is not None:
-            what += f", largest layer {largest:,} ({M.fmt_count(largest)}"
+            what += f", largest layer {largest:,} ({R.fmt_count(largest)}"
             what += f", {model_info['largest_layer_module'] or 'the root module'})" if model_info else ")"
         else:
             what += ", largest layer unknown (--largest-layer)"
