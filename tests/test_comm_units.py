@@ -477,3 +477,31 @@ def test_bench_result_to_json():
     assert r.to_json() == {"op": "broadcast", "bytes": 4096, "dtype": "float16", "algbw_gbps": 1.0,
                            "busbw_gbps": 1.0, "p50_us": 2.0, "p99_us": 3.0}
 
+
+
+def test_render_text_ends_with_a_summary_and_colours_only_when_asked():
+    fs = [_f("ok"), _f("fail"), _f("warn"), _f("fail")]
+    text = render_text(fs)
+    assert text.splitlines()[-1] == "2 FAIL, 1 WARN, 1 OK" and "\033[" not in text
+    assert render_text(fs[:1]).count("\n") == render_text(fs[:1], with_summary=False).count("\n")  # one: no summary
+    coloured = render_text(fs, color=True)
+    assert "\033[1;31m[FAIL]\033[0m" in coloured and "\033[32m[OK]\033[0m" in coloured
+
+
+def test_colour_only_on_a_terminal_and_never_with_no_color(monkeypatch, tmp_path):
+    from torchdoctor.findings import use_color
+
+    class Tty:
+        def isatty(self):
+            return True
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    with open(tmp_path / "out.txt", "w") as fh:
+        assert use_color(Tty()) and not use_color(fh)
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert not use_color(Tty())
+    monkeypatch.delenv("NO_COLOR")
+    monkeypatch.setenv("TERM", "dumb")
+    assert not use_color(Tty())

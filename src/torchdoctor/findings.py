@@ -7,6 +7,7 @@ lowercase (``comm.rank-died``, ``cuda.torch-vs-nvcc``) so scripts can match on t
 
 from __future__ import annotations
 
+import os
 import re
 import textwrap
 from collections.abc import Iterable
@@ -59,17 +60,49 @@ def worst(findings: Iterable[Finding]) -> str:
     return max((f.severity for f in findings), key=order.__getitem__, default="ok")
 
 
-def render_text(findings: Iterable[Finding], width: int = 100) -> str:
-    """Plain-text rendering for people: one block per finding, most serious first."""
-    order = {"fail": 0, "warn": 1, "info": 2, "ok": 3, "skip": 4}
+_ORDER = {"fail": 0, "warn": 1, "info": 2, "ok": 3, "skip": 4}
+# ANSI colours for the severity marks: red, yellow, cyan, green, dim
+_COLOR = {"fail": "\033[1;31m", "warn": "\033[1;33m", "info": "\033[36m", "ok": "\033[32m", "skip": "\033[2m"}
+_RESET = "\033[0m"
+
+
+def use_color(stream: Any) -> bool:
+    """Colour for a terminal only: not when ``NO_COLOR`` is set (https://no-color.org), ``TERM=dumb``, or the
+    output is a pipe or a file. ``FORCE_COLOR`` turns it on anyway."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    if os.environ.get("FORCE_COLOR"):
+        return True
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty()) and os.environ.get("TERM") != "dumb"
+
+
+def summary(findings: Iterable[Finding]) -> str:
+    """``'2 FAIL, 3 WARN, 9 OK'``: each severity present, most serious first."""
+    counts: dict[str, int] = {}
+    for f in findings:
+        counts[f.severity] = counts.get(f.severity, 0) + 1
+    return ", ".join(f"{counts[s]} {_MARK[s]}" for s in sorted(counts, key=_ORDER.__getitem__))
+
+
+def render_text(findings: Iterable[Finding], width: int = 100, color: bool = False,
+                with_summary: bool = True) -> str:
+    """Plain-text rendering for people: one block per finding, most serious first, then (for more than one
+    finding) a summary line. ``color`` paints the severity marks (see :func:`use_color`)."""
+    ordered = sorted(findings, key=lambda f: _ORDER[f.severity])
     lines: list[str] = []
-    for f in sorted(findings, key=lambda f: order[f.severity]):
-        lines.append(f"[{_MARK[f.severity]}] {f.title}  ({f.id})")
+    for f in ordered:
+        mark = f"[{_MARK[f.severity]}]"
+        if color:
+            mark = f"{_COLOR[f.severity]}{mark}{_RESET}"
+        lines.append(f"{mark} {f.title}  ({f.id})")
         for e in f.evidence:
             lines.extend(textwrap.wrap(e, width, initial_indent="    ", subsequent_indent="      "))
         for i, fx in enumerate(f.fix):
             head = "    fix: " if i == 0 else "         "
             lines.extend(textwrap.wrap(fx, width, initial_indent=head, subsequent_indent="         "))
+    if with_summary and len(ordered) > 1:
+        lines += ["", summary(ordered)]
     return "\n".join(lines)
 
 

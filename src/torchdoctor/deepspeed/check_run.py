@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..findings import render_text
+from ..findings import render_text, use_color
 from ..jsonfile import dumps
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
               f"GPUs: {gpus}; libaio: {libaio or 'not found'}; checked against {sch.source}"
               + (f'; "auto" filling read from {hf}' if hf else "") + ")")
         print()
-        print(render_text(findings))
+        print(render_text(findings, color=use_color(sys.stdout)))
     return EXIT_PROBLEMS if any(f.severity == "fail" for f in findings) else EXIT_OK
 
 

@@ -217,7 +217,7 @@ def render_table(rows, configured_key, judged_key, judged_label: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..findings import render_text
+    from ..findings import render_text, use_color
     from . import memory as M
     from . import memory_rules as R
 
@@ -342,5 +342,5 @@ def run(args: argparse.Namespace) -> int:
             print("  ZeRO-1/2 offload host figures follow DeepSpeed's: every rank's start-up copy and all optimizer "
                   "states counted on each node (an overestimate on several nodes).")
         print()
-        print(render_text(findings))
+        print(render_text(findings, color=use_color(sys.stdout)))
     return EXIT_PROBLEMS if any(f.severity == "fail" for f in findings) else EXIT_OK

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from ..findings import render_markdown, render_text
+from ..findings import render_markdown, render_text, use_color
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
@@ -111,5 +111,5 @@ def run(args: argparse.Namespace) -> int:
         for k, v in facts_summary(facts):
             print(f"  {k:<{width}}  {v}")
         print()
-        print(render_text(f for f in findings if f.severity != "skip"))
+        print(render_text((f for f in findings if f.severity != "skip"), color=use_color(sys.stdout)))
     return EXIT_PROBLEMS if any(f.severity == "fail" for f in findings) else EXIT_OK

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from ..findings import render_text
+from ..findings import render_text, use_color
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 MAX_GROUPS = 30  # timeline groups printed (first and last halves)
@@ -106,5 +106,5 @@ def run(args: argparse.Namespace) -> int:
             print("timeline:")
             print("\n".join(condense(report.timeline)))
         print()
-        print(render_text(report.findings))
+        print(render_text(report.findings, color=use_color(sys.stdout)))
     return code

@@ -66,7 +66,7 @@ def _say(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..findings import render_text
+    from ..findings import render_text, use_color
     from .wrap import WrapError, cmdline, run_command
 
     cmd = list(args.cmd or [])
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
         shown = [f for f in result.findings if f.severity != "skip"]
         print(f"\n--- torchdoctor run: {cmdline(cmd)} ---", file=sys.stderr)
-        print(render_text(shown), file=sys.stderr)
+        print(render_text(shown, color=use_color(sys.stderr)), file=sys.stderr)
         if args.log:
             print(f"(output saved in {args.log})", file=sys.stderr)
         if json_path:
