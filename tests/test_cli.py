@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = str(Path(__file__).parent.parent / "src")
 
 
@@ -37,6 +39,27 @@ def test_demo_finds_the_overflow_and_the_fix_works(tmp_path):
     assert (tmp_path / "torchdoctor-nonfinite-rank0.txt").exists()
 
 
-def test_demo_rejects_bad_steps():
-    proc = run_cli("demo", "--steps", "0")
-    assert proc.returncode == 2 and "--steps must be at least 1" in proc.stdout
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--steps", "0"], "--steps: must be at least 1, got 0"),
+        (["--steps", "-1"], "--steps: must be at least 1, got -1"),
+        (["--steps", "abc"], "--steps: must be a whole number of steps (1 or more), got 'abc'"),
+        (["--steps", "1.5"], "--steps: must be a whole number of steps (1 or more), got '1.5'"),
+        (["--level", "x"], "unrecognized arguments: --level x"),
+    ],
+)
+def test_demo_bad_options_are_usage_errors_without_a_traceback(args, says):
+    proc = run_cli("demo", *args, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert says in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and says in errors[0]  # one message line (after argparse's usage line)
+
+
+def test_demo_with_one_step_reports_and_fixes_without_a_traceback(tmp_path):
+    """Its only step is checked as the monitor's with block exits: caught there, not a raw traceback."""
+    proc = run_cli("demo", "--steps", "1", "--report-dir", str(tmp_path), timeout=300)
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "try around the with block" in proc.stdout and "all finite: the fix works" in proc.stdout

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=6, help="training steps per run (default: 6)")
+    parser.add_argument("--steps", type=_steps, default=6, help="training steps per run, 1 or more (default: 6)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the model, data and dropout (default: 0)")
     parser.add_argument(
         "--report-dir",
@@ -26,6 +27,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the monitor writes torchdoctor-nonfinite-rank0.txt/.json (default: a temporary folder)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the narrative")
+
+
+def _steps(text: str) -> int:
+    """``--steps``: a whole number >= 1; argparse turns the ValueError into a one-line usage error, exit 2."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of steps (1 or more), got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _train(build_demo, train_steps, seed: int, steps: int, report_dir: str, region: str | None = None):
@@ -38,19 +50,21 @@ def _train(build_demo, train_steps, seed: int, steps: int, report_dir: str, regi
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses: list[float] = []
     error = None  # the monitor raises before the optimizer applies a non-finite step
-    with NumericsMonitor(model, optimizer=opt, report_dir=report_dir) as mon:
-        try:
+    mon = NumericsMonitor(model, optimizer=opt, report_dir=report_dir)
+    try:  # around the with block: a step checked only as the block exits is raised by the with statement
+        with mon:
             losses = train_steps(model, batches, steps, "fp16", optimizer=opt, seed=seed)
-        except NonFiniteError as e:
-            error = e
-    if guard is not None:
-        guard.remove()
+    except NonFiniteError as e:
+        error = e
+    finally:
+        if guard is not None:
+            guard.remove()
     return losses, error, mon
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.steps < 1:
-        print("torchdoctor demo: --steps must be at least 1")
+    if args.steps < 1:  # run() called without the parser (argparse checks --steps itself)
+        print("torchdoctor demo: --steps must be at least 1", file=sys.stderr)
         return 2
     import torch
 

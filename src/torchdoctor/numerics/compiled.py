@@ -276,7 +276,8 @@ def localize(mon: NumericsMonitor, report: NonFiniteReport, frames: list[Resolve
     finally:
         mon._rec, mon._rerunning = saved, False
     context = frames[: start + call.start]  # earlier micro-batches and steps, then what the re-run saw
-    again = build_report(context + inner, mon.max_frames, mon.rank, len(context), mon._hf, judge_params)
+    again = build_report(context + inner, mon.max_frames, mon.rank, len(context), mon._hf, judge_params,
+                         mon._growth.read())
     if again is None:
         report.notes.append(
             "The model is compiled (torch.compile). This micro-batch was re-run eagerly on the same inputs (RNG "

@@ -101,6 +101,7 @@ class ResolvedFrame:
     first_of_step: bool = False
     source_ref: StatRef | None = None
     boundary: bool = False  # a compiled region's edge (what is inside was not recorded)
+    root: bool = False  # the model itself (its outputs are what a loss outside the model is given)
 
     @property
     def finite(self) -> bool:
@@ -186,7 +187,7 @@ def resolve(frames: list[Frame], values: dict, weight_values: dict | None = None
     for f in frames:
         rf = ResolvedFrame(
             f.step, f.phase, f.info.name, f.info.cls, first_of_step=f.first_of_step, source_ref=f.source_ref,
-            boundary=f.info.boundary,
+            boundary=f.info.boundary, root=f.info.is_root,
         )
         module = f.info.module()
         if f.weights is not None:

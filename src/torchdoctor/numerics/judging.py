@@ -15,6 +15,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from ..advice import fp16_collapse_fix
+from . import causes
 from .compiled import localize
 from .frames import BWD, FWD, ModuleInfo, ResolvedFrame, measure_now, resolve
 from .report import FirstNonFinite, NonFiniteReport, build_report, find_first_bad
@@ -35,6 +36,7 @@ class Judging:
 
     _rec: StepRecord
     _history: deque[StepRecord]
+    _growth: causes.GrowthTrail
     _engine: Engine
     _scaler: LossScaler | None
     _infos: dict[int, ModuleInfo]
@@ -86,7 +88,8 @@ class Judging:
         judge_params = self._optimizer_hooked() or self._hf
         if check_grads and find_first_bad(frames, start, self._hf, judge_params) is None:
             frames += self._param_grad_frames(step)
-        report = build_report(frames, self.max_frames, self.rank, start, self._hf, judge_params)
+        trail = self._growth.read()
+        report = build_report(frames, self.max_frames, self.rank, start, self._hf, judge_params, trail)
         if report is not None and self._regions:
             report = localize(self, report, frames, start, judge_params)
         if report is None:  # this rank's own flags were bad, but no value it can name (gradients gone)
@@ -109,10 +112,11 @@ class Judging:
                 "optimizer (NumericsMonitor(model, optimizer=opt)) so the step is checked before the update is "
                 "applied, or call mon.step() before optimizer.step(); grads='modules' names the module. Under "
                 "a loss scaler, pass it too (scaler=...): its overflows are then recorded, not raised.",
-                rank=self.rank,
+                rank=self.rank, cause=causes.UNKNOWN_GRADIENT,
             )
         elif report is None:  # only another rank saw a non-finite value
-            report = NonFiniteReport(step, None, [], "another rank found non-finite values", rank=self.rank)
+            report = NonFiniteReport(step, None, [], "another rank found non-finite values", rank=self.rank,
+                                     cause=causes.OTHER_RANK)
         if me not in origin and others:
             report.bad_ranks = others
             self._blame_other_ranks(report, others)
@@ -124,7 +128,8 @@ class Judging:
         if only_backward and skipping:
             self._record_overflow(step, report)
             return
-        if self.grads == "params" and only_backward:
+        not_the_model = report.cause in (causes.LOSS_OUTSIDE_MODEL, causes.DIVERGENCE)
+        if self.grads == "params" and only_backward and not not_the_model:
             report.notes.append(
                 "To see where the backward blow-up starts, run with NumericsMonitor(..., grads='modules')."
             )
@@ -151,6 +156,7 @@ class Judging:
                 f"collective inside the forward (tensor parallel). See the report of rank {others[0]}."
             )
         report.fix = report.fp32_region = None
+        report.cause = causes.OTHER_RANK
 
     def _record_overflow(self, step: int, report: NonFiniteReport) -> None:
         scale = self._scaler.scale() if self._scaler is not None else None
@@ -162,6 +168,7 @@ class Judging:
         log.info("gradient overflow at step %d (loss scale %s)%s: step skipped", step, scale, where)
         if self.grads == "params" and self.auto_localize:
             self.grads = "modules"
+            self._growth.clear()  # from now on the steps' peaks include (scaled) module gradients: not comparable
             log.info("switching to grads='modules' to localize the next gradient overflow")
         collapsed = self._scaler is not None and self._scaler.collapsed(scale, self.min_loss_scale)
         if collapsed or self._consecutive_overflows >= self.max_consecutive_overflows:
@@ -179,6 +186,7 @@ class Judging:
             )
             deepspeed = self._scaler is not None and self._scaler.deepspeed
             report.fix = fp16_collapse_fix(deepspeed, report.fp32_region)
+            report.cause = causes.SCALE_COLLAPSE
             self._raise(report)
 
     def _check_weights_once(self) -> None:
@@ -189,7 +197,8 @@ class Judging:
             ok, mine = share_verdict(None, flag)
             if not ok and not mine:
                 others, _ = origin_ranks(NO_BAD)
-                report = NonFiniteReport(0, None, [], "another rank's weights are already non-finite", rank=self.rank)
+                report = NonFiniteReport(0, None, [], "another rank's weights are already non-finite", rank=self.rank,
+                                         cause=causes.BAD_WEIGHT)
                 report.bad_ranks = others
                 self._raise(report)
             if ok:
@@ -209,6 +218,6 @@ class Judging:
                         0, first, [],
                         f"parameter {name} of the model is already non-finite before training ({value}): check "
                         "the checkpoint or the initialisation",
-                        rank=self.rank,
+                        rank=self.rank, cause=causes.BAD_WEIGHT,
                     )
                 )

@@ -37,6 +37,12 @@ Steps are numbered from 0, like transformers' batch numbers. Earlier steps are k
 as a report can show them (``max_frames`` frames), with the weights those frames ran with, measured as
 their step ended (before the update when the optimizer is hooked).
 
+Where a ``NonFiniteError`` surfaces: at the step boundary that found it, inside the ``with`` block (in
+``optimizer.step()``, ``scaler.update()``, ``mon.step()`` or the next forward), except for the last step when
+nothing inside the block ended it: that one is checked as the block exits and raised by the ``with`` statement,
+so catch it with a ``try`` around the ``with`` (``try: with NumericsMonitor(...): ... except NonFiniteError``).
+A closed monitor refuses a second ``with`` block (``RuntimeError``): make a new one.
+
 Known limitations:
   - A loss scaler that is not passed as ``scaler=`` is recognised by its effect: a new forward starts
     after a backward while every gradient is None (``zero_grad()`` without an optimizer step). With
@@ -63,6 +69,7 @@ import torch
 from torch import nn
 
 from .buffers import BufferGuard
+from .causes import GrowthTrail
 from .compiled import Region, Regions
 from .engines import MonitorWarning, select_engine
 from .errors import AbortAfterStep, NonFiniteError
@@ -80,6 +87,13 @@ from .verdict import share_verdict
 log = logging.getLogger("torchdoctor.numerics")
 
 __all__ = ["NumericsMonitor", "OverflowEvent"]
+
+EXIT_NOTE = (
+    "This step was checked as the `with NumericsMonitor(...)` block exited (nothing inside the block ended it: no "
+    "optimizer step ran -- a GradScaler that skipped it, not passed as scaler= -- and no mon.step()), so this "
+    "NonFiniteError is raised by the `with` statement itself: catch it with a try around the with block, or pass "
+    "scaler= / call mon.step() so that every step is checked inside it."
+)
 
 # Every monitored module, whichever monitor watches it: attaching twice would double every hook.
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, NumericsMonitor] = weakref.WeakKeyDictionary()
@@ -194,11 +208,14 @@ class NumericsMonitor(Recording, Judging):
         self._self_bad = False  # this rank's own flags in the step being judged
         self._measured_params: dict[int, list] = {}  # ZeRO-3: weights measured as their module's forward began
         self._history: deque[StepRecord] = deque()
+        self._growth = GrowthTrail()  # recent healthy steps' largest values, on the device (divergence)
         self._buffers: BufferGuard | None = None
         self._just_reported = False  # a report was made and nothing has run since
         self._handles: list[Any] = []
         self._restore: list[tuple[Any, str, Any, Any]] = []
         self._active = False
+        self._closed = False
+        self._at_exit = False  # the last step is being checked as the with block exits
         self._regions = Regions(model, self.model)
         self._new_step()
         try:
@@ -285,6 +302,7 @@ class NumericsMonitor(Recording, Judging):
         Leaving a ``with`` block without an exception also checks the last, still open step.
         """
         self._active = False
+        self._closed = True
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -305,14 +323,25 @@ class NumericsMonitor(Recording, Judging):
     remove = close
 
     def __enter__(self) -> NumericsMonitor:
+        """The monitor attached when it was made; a closed one refuses a second ``with`` block (its hooks
+        are gone: it would watch nothing) instead of silently watching nothing."""
+        if self._closed:
+            raise RuntimeError(
+                "torchdoctor: this NumericsMonitor is closed (its with block ended, or close() was called), so it "
+                "watches nothing; make a new one for this block: with NumericsMonitor(model, ...) as mon:"
+            )
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        """Check the last, still open step. A detection here is raised by the ``with`` statement itself, so a
+        ``try`` inside the block cannot see it: put the ``try`` around the ``with`` (the report says so)."""
         try:
             open_step = not self._rec.empty or self._deferred_report is not None
             if exc_type is None and self._active and (open_step or self._sync_ranks):
+                self._at_exit = True
                 self._close_step("final")
         finally:
+            self._at_exit = False
             self.close()
 
     def __del__(self) -> None:  # pragma: no cover - best effort
@@ -380,7 +409,8 @@ class NumericsMonitor(Recording, Judging):
             return  # (under DDP every rank must take part in the verdict, so no shortcut there)
         if not rec.frames and source == "optimizer" and not self._warned_unseen:
             self._forward_unseen()
-        act_ok = rec.activation_flag()  # activations, module-level and engine-collected gradients
+        judged = rec.buffer.judged_stacks()  # activations, module-level and engine-collected gradients
+        act_ok = all_finite([torch.isfinite(v).all() for v in judged.values()])
         if self._deferred_report is not None:
             act_ok = torch.zeros((), dtype=torch.bool)
         # nothing ran since a reported step: gradients still there are that step's (its zero_grad() was skipped)
@@ -396,6 +426,7 @@ class NumericsMonitor(Recording, Judging):
             self._trace(step)
         if ok:
             self._consecutive_overflows = 0
+            self._growth.add(step, judged)  # a few device ops, read only when a report is built
         else:
             self._handle_nonfinite(step, source, check_grads)
         self._rotate()
@@ -487,6 +518,8 @@ class NumericsMonitor(Recording, Judging):
         """Keep the report, put the buffers back, write the report to disk before anything is raised, and go on
         watching from a fresh step."""
         self.report = report
+        if self._at_exit:
+            report.notes.append(EXIT_NOTE)
         restored = self._after_detection()
         if restored:
             report.notes.append(

@@ -5,10 +5,18 @@ The report is data first (:class:`NonFiniteReport`, :meth:`NonFiniteReport.to_js
 
 - a non-finite *weight*: the parameters were already broken (a bad checkpoint or an earlier update);
 - a non-finite model *input*: the data is broken;
+- values growing by orders of magnitude over the last steps (:mod:`.causes`): the run diverges (learning
+  rate, clipping, warm-up), whatever the dtype;
+- finite model outputs and the first bad value in a mark after the forward or where the loss's gradient
+  enters the model: the loss made it (:mod:`.causes`);
 - a value that sat within 2x of its dtype's maximum in the frames just before an inf: an overflow of a
   low-precision dtype; keep the region that holds both modules in fp32 (:func:`torchdoctor.keep_fp32`);
 - a nan without an inf before it: an invalid operation (0/0, inf-inf, log or sqrt of a negative);
-- a first non-finite value in the backward only: a gradient overflow (use a loss scaler or bf16).
+- a first non-finite value in the backward only: a gradient overflow (a loss scaler or bf16) when a
+  low-precision dtype is involved, else the derivative of an op at a point where it has none.
+
+fp16 / bf16 / keep_fp32 / loss-scale advice is given only when a low-precision dtype is involved. Every
+rule's verdict has a stable id (``NonFiniteReport.cause``, :data:`.causes.CAUSES`).
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from typing import Any
 
 import torch
 
+from . import causes
+from .causes import divergence, low_precision
 from .frames import BWD, MARK, Line, ResolvedFrame
 from .render import format_frames
 
@@ -57,6 +67,7 @@ class NonFiniteReport:
     fp32_region: str | None = None  # the module to keep in fp32, when that is the fix
     position: int = 0  # where the first bad frame sits in its step (ranks compare it)
     boundary: bool = False  # that frame is a compiled region's edge
+    cause: str | None = None  # the diagnosis' stable id (causes.CAUSES)
 
     def text(self) -> str:
         tag = f"[rank{self.rank}] " if self.rank is not None else ""
@@ -86,6 +97,7 @@ class NonFiniteReport:
             "rank": self.rank,
             "bad_ranks": self.bad_ranks,
             "first": self.first.to_json() if self.first else None,
+            "cause": self.cause,
             "diagnosis": self.diagnosis,
             "fix": self.fix,
             "fp32_region": self.fp32_region,
@@ -221,66 +233,125 @@ def backward_consumer(frames: list[ResolvedFrame], index: int) -> ResolvedFrame 
     return None
 
 
+@dataclass(frozen=True)
+class Diagnosis:
+    """One rule's verdict: its stable id (:data:`.causes.CAUSES`), the why, the module to keep in fp32 (when
+    that is the fix) and the fix itself when it is not ``keep_fp32``."""
+
+    cause: str
+    text: str
+    region: str | None = None
+    fix: str | None = None
+
+
 def diagnose(
-    frames: list[ResolvedFrame], index: int, line: Line, judge_params: bool = True
-) -> tuple[str, str | None]:
-    """(diagnosis, module to keep in fp32 or None) for the first non-finite ``line`` of ``frames[index]``."""
+    frames: list[ResolvedFrame], index: int, line: Line, judge_params: bool = True,
+    trail: list[tuple[int, float]] | None = None,
+) -> Diagnosis:
+    """Why the first non-finite ``line`` of ``frames[index]`` went bad. ``trail``: (step, largest finite
+    value) of the last healthy steps (:class:`.causes.GrowthTrail`), the evidence of a diverging run."""
     frame = frames[index]
     what = "nan" if math.isnan(line.abs_max) else "inf"
+    if judge_params and frame.phase != BWD and (line.param or any(ln.param and not ln.finite for ln in frame.lines)):
+        line = line if line.param else next(ln for ln in frame.lines if ln.param and not ln.finite)
+        what = "nan" if math.isnan(line.abs_max) else "inf"
+        grew = divergence(frames, index, trail)
+        return Diagnosis(
+            causes.BAD_WEIGHT,
+            f"the weight {frame.name}.{line.label} is already {what} before this forward: it was loaded "
+            f"that way or an earlier optimizer update wrote it"
+            + (f" ({grew}: the run diverged)" if grew else "") + ". Check the checkpoint, and give torchdoctor the "
+            "optimizer (NumericsMonitor(model, optimizer=opt)) so a non-finite update is stopped before it "
+            "is applied.",
+            fix=causes.DIVERGENCE_FIX if grew else None,
+        )
+    if frame.phase not in (BWD, MARK):
+        bad_input = next(
+            (ln for ln in frame.lines if ln.label.startswith("input") and not ln.finite and not ln.param), None
+        )
+        if bad_input is not None and not _produced_earlier(frames, index, bad_input):
+            kind = "nan" if math.isnan(bad_input.abs_max) else "inf"
+            mask = "" if kind == "nan" else " (an additive -inf attention mask is expected; any other inf is not)"
+            if frame.first_of_step:
+                return Diagnosis(
+                    causes.BAD_INPUT,
+                    f"the input {bad_input.label} given to {frame.name or 'the model'} ({frame.cls}) is already "
+                    f"{kind}{mask}: check the data (or whatever feeds the model).",
+                    fix="check the batch before the model sees it: assert torch.isfinite(x).all() in the data "
+                    "pipeline, and look for missing values, divisions by a zero std in normalisation, or bad records",
+                )
+            return Diagnosis(
+                causes.BETWEEN_MODULES,
+                f"{frame.name} ({frame.cls}) received a {kind} {bad_input.label}{mask} that no watched module "
+                "produced: it was computed by plain code between modules. Put mon.mark(tensor, 'label') after the "
+                "suspect lines to find it.",
+            )
+    grew = divergence(frames, index, trail)
+    if grew is not None:
+        return Diagnosis(
+            causes.DIVERGENCE,
+            f"the run is diverging: {grew}. {frame.name or 'the model'} ({frame.cls}) {line.label} then became "
+            f"{what}. Values growing by orders of magnitude step after step are an optimisation problem (a learning "
+            "rate too high for this model, no gradient clipping, no warm-up), not a precision one: higher "
+            "precision only delays the overflow.",
+            fix=causes.DIVERGENCE_FIX,
+        )
+    own = causes.model_loss(frame, line)
+    if own is not None:
+        return Diagnosis(causes.MODEL_LOSS, f"{own}.", fix="check the labels and masks of this batch: " + (
+            "labels all -100 (ignore_index) give nan; labels outside [0, vocab) or a division by a mask's sum that "
+            "is 0 do too"))
+    loss = causes.loss_outside(frames, index, line)
+    if loss is not None:
+        if not loss.low_precision:
+            return Diagnosis(causes.LOSS_OUTSIDE_MODEL, f"{loss.text}: the loss made it, not the model.",
+                             fix=loss.fix)
+        return Diagnosis(
+            causes.BACKWARD_OVERFLOW,
+            f"{loss.text}. The model's output is {_dtype_name(_out_dtype(frames, index))}: either the loss made the "
+            f"{what} (check log/div/sqrt inputs, labels, masks) or the scaled gradient overflowed there: scale "
+            "the loss (torch.amp.GradScaler) or train in bf16.",
+        )
+    lowp_step = causes.step_involves_low_precision(frames, frame.step)
     if frame.phase == BWD:
         consumer = None if line.label.startswith("grad:") else backward_consumer(frames, index)
+        lowp = low_precision(line.dtype) or lowp_step
         if consumer is not None:
-            return (
+            where = (
                 f"the forward was finite; in the backward the gradient was finite at the output of "
                 f"{consumer.name} ({consumer.cls}) and became {what} at its input "
-                f"({frame.name}.{line.label[5:]}): the blow-up starts in the backward of {consumer.name}. "
-                f"In fp16 scale the loss (torch.amp.GradScaler) or train in bf16; if it persists keep "
-                f"{consumer.name} in fp32.",
-                consumer.name,
+                f"({frame.name}.{line.label[5:]}): the blow-up starts in the backward of {consumer.name}."
             )
+            if lowp:
+                return Diagnosis(
+                    causes.BACKWARD_OVERFLOW,
+                    f"{where} In fp16 scale the loss (torch.amp.GradScaler) or train in bf16; if it persists keep "
+                    f"{consumer.name} in fp32.",
+                    consumer.name,
+                )
+            return Diagnosis(causes.BACKWARD_NONFINITE, f"{where} {_FP32_BACKWARD.format(name=consumer.name)}")
         if line.label.startswith("grad:"):
             where = f"the gradient of {frame.name}.{line.label[5:]}"
         else:
             where = f"the gradient flowing into {frame.name} ({frame.cls}) from its {line.label[5:] or 'output'}"
-        return (
-            f"the forward was finite; {where} became {what} in the backward. In fp16 this is a gradient "
-            f"overflow: scale the loss (torch.amp.GradScaler, DeepSpeed dynamic loss scaling) or train in bf16; "
-            f"if it persists, keep {frame.name or 'the module'} in fp32.",
-            frame.name or None,
+        if lowp:
+            return Diagnosis(
+                causes.BACKWARD_OVERFLOW,
+                f"the forward was finite; {where} became {what} in the backward. In fp16 this is a gradient "
+                f"overflow: scale the loss (torch.amp.GradScaler, DeepSpeed dynamic loss scaling) or train in bf16; "
+                f"if it persists, keep {frame.name or 'the module'} in fp32.",
+                frame.name or None,
+            )
+        return Diagnosis(
+            causes.BACKWARD_NONFINITE,
+            f"the forward was finite; {where} became {what} in the backward. "
+            + _FP32_BACKWARD.format(name=frame.name or "the module"),
         )
     if frame.phase == MARK:
-        return (
+        return Diagnosis(
+            causes.MARKED_VALUE,
             f"the value marked {frame.name!r} is {what}. Look at the code that computes it (between the "
             "frames above and this mark), or add marks before it to narrow it down.",
-            None,
-        )
-    if judge_params and (line.param or any(ln.param and not ln.finite for ln in frame.lines)):
-        line = line if line.param else next(ln for ln in frame.lines if ln.param and not ln.finite)
-        what = "nan" if math.isnan(line.abs_max) else "inf"
-        return (
-            f"the weight {frame.name}.{line.label} is already {what} before this forward: it was loaded "
-            f"that way or an earlier optimizer update wrote it. Check the checkpoint, and give torchdoctor the "
-            f"optimizer (NumericsMonitor(model, optimizer=opt)) so a non-finite update is stopped before it "
-            f"is applied.",
-            None,
-        )
-    bad_input = next(
-        (ln for ln in frame.lines if ln.label.startswith("input") and not ln.finite and not ln.param), None
-    )
-    if bad_input is not None and not _produced_earlier(frames, index, bad_input):
-        kind = "nan" if math.isnan(bad_input.abs_max) else "inf"
-        mask = "" if kind == "nan" else " (an additive -inf attention mask is expected; any other inf is not)"
-        if frame.first_of_step:
-            return (
-                f"the input {bad_input.label} given to {frame.name or 'the model'} ({frame.cls}) is already "
-                f"{kind}{mask}: check the data (or whatever feeds the model).",
-                None,
-            )
-        return (
-            f"{frame.name} ({frame.cls}) received a {kind} {bad_input.label}{mask} that no watched module "
-            "produced: it was computed by plain code between modules. Put mon.mark(tensor, 'label') after the "
-            "suspect lines to find it.",
-            None,
         )
     near = _near_max(frames, index, judge_params)
     if what == "inf" and near is not None and near[2] >= 1 / HEADROOM_FACTOR and near[0].phase != MARK:
@@ -288,43 +359,77 @@ def diagnose(
         top = _dtype_max(nl.dtype)
         region = common_region(nf.name, frame.name)
         fix_target = region or nf.name or None
-        return (
+        reached = (
             f"{nf.name} ({nf.cls}) {nl.label} reached {nl.abs_max:.2e}, within {1 / ratio:.2f}x of "
-            f"{_dtype_name(nl.dtype)}'s max {top:.2e}, and {frame.name} ({frame.cls}) then overflowed to inf. "
-            f"Keep {fix_target or 'that region'} in fp32 (autocast off, inputs upcast), or train in bf16.",
-            fix_target,
+            f"{_dtype_name(nl.dtype)}'s max {top:.2e}, and {frame.name} ({frame.cls}) then overflowed to inf."
         )
+        if low_precision(nl.dtype):
+            return Diagnosis(
+                causes.LOW_PRECISION_OVERFLOW,
+                f"{reached} Keep {fix_target or 'that region'} in fp32 (autocast off, inputs upcast), or train in "
+                "bf16.",
+                fix_target,
+            )
+        return Diagnosis(causes.RANGE_OVERFLOW, f"{reached} {_BEYOND_FP32}")
     if what == "nan":
         big = _square_overflow(frame)
         if big is not None:
             big_line, root = big
-            return (
+            text = (
                 f"{frame.name} ({frame.cls}) produced nan from a finite {big_line.label} whose abs max "
                 f"{big_line.abs_max:.2e} is above sqrt({_dtype_name(big_line.dtype)} max) = {root:.2e}: squaring it "
-                "(the variance of a norm, a dot product) overflows to inf, and inf/inf or inf-inf is nan. "
-                f"Keep {frame.name} in fp32, and look in the frames above for why the activations grew so large.",
-                frame.name or None,
+                "(the variance of a norm, a dot product) overflows to inf, and inf/inf or inf-inf is nan."
             )
-        return (
+            if low_precision(big_line.dtype):
+                return Diagnosis(
+                    causes.SQUARE_OVERFLOW,
+                    f"{text} Keep {frame.name} in fp32, and look in the frames above for why the activations grew "
+                    "so large.",
+                    frame.name or None,
+                )
+            return Diagnosis(
+                causes.SQUARE_OVERFLOW,
+                f"{text} In {_dtype_name(big_line.dtype)} a value this large is not a precision problem: look in the "
+                "frames above for why the activations grew so large (a learning rate too high, no clipping).",
+                fix=causes.DIVERGENCE_FIX,
+            )
+        return Diagnosis(
+            causes.INVALID_OP,
             f"{frame.name} ({frame.cls}) produced nan from finite inputs: an invalid operation (0/0, inf-inf, "
             f"log or sqrt of a negative number, a softmax over a fully masked row) inside its forward.",
-            None,
         )
     dtype = line.dtype
     if dtype is not None and (dtype.is_floating_point or dtype.is_complex) and _dtype_max(dtype) > 1e38:
         # fp32's range (bf16 included): more precision cannot hold a bigger number
-        return (
+        return Diagnosis(
+            causes.RANGE_OVERFLOW,
             f"{frame.name} ({frame.cls}) {line.label} overflowed to inf in {_dtype_name(dtype)} with no value near "
-            "the limit in the frames shown: an operation whose result exceeds even fp32's range (exp of a large "
-            "input, an unnormalised sum or product). Higher precision will not help: look at that operation and "
-            "the magnitudes it is given (clamp, rescale, or use a log-space formulation).",
-            None,
+            f"the limit in the frames shown: an operation whose result exceeds even fp32's range (exp of a large "
+            f"input, an unnormalised sum or product). {_BEYOND_FP32}",
         )
-    return (
+    return Diagnosis(
+        causes.LOW_PRECISION_OVERFLOW,
         f"{frame.name} ({frame.cls}) {line.label} overflowed to inf in {_dtype_name(dtype)} with no value near "
         f"the limit in the frames shown: a single large product. Keep {frame.name} in fp32 or train in bf16.",
         frame.name or None,
     )
+
+
+_FP32_BACKWARD = (
+    "Every value is fp32 or wider, so this is not a small dtype's overflow and more precision will not help: it is "
+    "the derivative of an operation at a point where it has none inside {name}'s backward (sqrt or norm of 0, "
+    "log or pow near 0, torch.where whose unselected branch is inf/nan, a division by a value that can be 0), or a "
+    "gradient beyond fp32's range (a custom backward's huge factor). grads='modules' names the module, "
+    "torch.autograd.set_detect_anomaly(True) names the op."
+)
+_BEYOND_FP32 = (
+    "Higher precision will not help: look at that operation and the magnitudes it is given (clamp, rescale, or use "
+    "a log-space formulation)."
+)
+
+
+def _out_dtype(frames: list[ResolvedFrame], index: int) -> torch.dtype | None:
+    return next((ln.dtype for ln in frames[index].lines if ln.dtype is not None), None)
 
 
 def build_report(
@@ -334,6 +439,7 @@ def build_report(
     start: int = 0,
     judge_inputs: bool = True,
     judge_params: bool = True,
+    trail: list[tuple[int, float]] | None = None,
 ) -> NonFiniteReport | None:
     """The report for the first non-finite value in ``frames[start:]`` (None when all are finite);
     the frames before ``start`` (earlier, already checked steps) are shown as context only."""
@@ -342,7 +448,7 @@ def build_report(
         return None
     index, line = found
     frame = frames[index]
-    diagnosis, region = diagnose(frames, index, line, judge_params)
+    why = diagnose(frames, index, line, judge_params, trail)
     value = "nan" if math.isnan(line.abs_max) else "inf"
     consumer = backward_consumer(frames, index) if frame.phase == BWD and not line.label.startswith("grad:") else None
     if consumer is not None:
@@ -350,8 +456,9 @@ def build_report(
     else:
         first = FirstNonFinite(frame.step, frame.phase, frame.name, frame.cls, line.label, value)
     shown = frames[max(0, index - max_frames) : index + 1]
-    return NonFiniteReport(frame.step, first, shown, diagnosis, fix_keep_fp32(region), rank=rank, marker=line,
-                           fp32_region=region, position=index - start, boundary=frame.boundary)
+    return NonFiniteReport(frame.step, first, shown, why.text, why.fix or fix_keep_fp32(why.region), rank=rank,
+                           marker=line, fp32_region=why.region, position=index - start, boundary=frame.boundary,
+                           cause=why.cause)
 
 
 def fix_keep_fp32(region: str | None) -> str | None:

@@ -194,9 +194,14 @@ class StatBuffer:
 
         Does not freeze the buffer: after a forward that raised, the same step goes on recording.
         """
+        return [torch.isfinite(v).all() for v in self.judged_stacks().values()]
+
+    def judged_stacks(self) -> dict[GroupKey, torch.Tensor]:
+        """The judged groups, each stacked into one device tensor (abs min, abs max interleaved); no host sync,
+        and the buffer is not frozen (the context groups are stacked only if a report reads them)."""
         if self._stacked is not None:
-            return [torch.isfinite(v).all() for key, v in self._stacked.items() if key[0]]
-        return [torch.isfinite(torch.stack(v)).all() for key, v in self._groups.items() if key[0]]
+            return {key: v for key, v in self._stacked.items() if key[0]}
+        return {key: torch.stack(v) for key, v in self._groups.items() if key[0]}
 
     def read(self) -> dict[GroupKey, list[float]]:
         """Host copy of every statistic (the report path; syncs once per group)."""

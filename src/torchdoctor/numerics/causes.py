@@ -1,0 +1,240 @@
+"""Causes of a non-finite value that are not a low-precision overflow: a diverging run, a loss made outside.
+
+Most nan/inf losses people meet are not fp16 at all: a learning rate too high for the model (weights and
+activations grow by orders of magnitude over a few steps, then overflow even fp32), or a loss function that
+divides by zero or takes ``log(0)`` on finite model outputs. Advice about ``keep_fp32`` / bf16 / loss scaling
+sends such a user the wrong way, so :func:`~.report.diagnose` asks these rules first and gives the
+low-precision advice only when a low-precision dtype is involved (:func:`low_precision`).
+
+Every diagnosis has a stable id (:data:`CAUSES`), written to the report's JSON as ``cause``.
+
+Seeing growth needs a few steps of history at no extra host sync: :class:`GrowthTrail` keeps, per healthy
+step, the largest finite abs max of the step's judged statistics as a 0-d tensor *on the device* (computed from
+the statistics the step's check stacks anyway); they are read back only when a report is built.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from .frames import BWD, FWD, MARK, Line, ResolvedFrame
+
+# stable diagnosis ids (NonFiniteReport.cause); DESIGN.md's table lists each with its evidence and fix
+BAD_WEIGHT = "numerics.bad_weight"
+BAD_INPUT = "numerics.bad_input"
+BETWEEN_MODULES = "numerics.between_modules"
+DIVERGENCE = "numerics.divergence"
+LOSS_OUTSIDE_MODEL = "numerics.loss_outside_model"
+MODEL_LOSS = "numerics.model_loss"  # the model returns a loss (HF models given labels=) and only it is bad
+LOW_PRECISION_OVERFLOW = "numerics.low_precision_overflow"
+SQUARE_OVERFLOW = "numerics.square_overflow"
+INVALID_OP = "numerics.invalid_op"
+RANGE_OVERFLOW = "numerics.range_overflow"
+BACKWARD_OVERFLOW = "numerics.backward_overflow"  # a low-precision gradient overflow
+BACKWARD_NONFINITE = "numerics.backward_nonfinite"  # fp32 / fp64 backward: no dtype advice
+MARKED_VALUE = "numerics.marked_value"
+OTHER_RANK = "numerics.other_rank"
+UNKNOWN_GRADIENT = "numerics.unknown_gradient"
+SCALE_COLLAPSE = "numerics.loss_scale_collapse"
+CAUSES = (
+    BAD_WEIGHT, BAD_INPUT, BETWEEN_MODULES, DIVERGENCE, LOSS_OUTSIDE_MODEL, MODEL_LOSS, LOW_PRECISION_OVERFLOW,
+    SQUARE_OVERFLOW,
+    INVALID_OP, RANGE_OVERFLOW, BACKWARD_OVERFLOW, BACKWARD_NONFINITE, MARKED_VALUE, OTHER_RANK, UNKNOWN_GRADIENT,
+    SCALE_COLLAPSE,
+)
+
+DIVERGENCE_FIX = (
+    "lower the learning rate (try 10x lower), clip gradients (torch.nn.utils.clip_grad_norm_(model.parameters(), "
+    "1.0) before optimizer.step()), and check the warm-up (a scheduler that starts at the peak rate)"
+)
+LOSS_CHECKS = (
+    "check the inputs of log/div/sqrt/pow "
+    "(clamp them, e.g. torch.log(x.clamp_min(1e-12)), or use the log-space forms: F.log_softmax, "
+    "F.binary_cross_entropy_with_logits), the labels (out of range, ignore_index) and the masks (a division by a "
+    "mask's sum that is 0)"
+)
+
+LOSS_FIX = (
+    "your loss function made the nan/inf from finite model outputs: " + LOSS_CHECKS
+)
+
+GROWTH_FACTOR = 1e3  # "orders of magnitude": three of them over the steps kept
+GROWTH_STEPS = 8  # healthy steps kept in the trail
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def low_precision(dtype: torch.dtype | None) -> bool:
+    """fp16 / bf16 / fp8: the dtypes for which keep_fp32, bf16 or a loss scale can be the fix."""
+    return dtype is not None and dtype.is_floating_point and (dtype in _LOW or dtype.itemsize == 1)
+
+
+def step_involves_low_precision(frames: list[ResolvedFrame], step: int) -> bool:
+    """Did any value of ``step`` (activations, gradients) live in a low-precision dtype?"""
+    return any(low_precision(ln.dtype) for f in frames if f.step == step for ln in f.lines if not ln.param)
+
+
+class GrowthTrail:
+    """The last few healthy steps' largest finite activation / gradient abs max, kept on the device."""
+
+    def __init__(self, size: int = GROWTH_STEPS) -> None:
+        self._peaks: deque[tuple[int, torch.Tensor]] = deque(maxlen=size)
+
+    def add(self, step: int, stacked: dict) -> None:
+        """``stacked``: a step's judged groups (:meth:`~.stats.StatBuffer.judged_stacks`: abs min, abs max
+        interleaved). A few tiny device ops per group, no host sync."""
+        peaks = []
+        for (judged, _device, dtype), values in stacked.items():
+            if not judged or not dtype.is_floating_point or values.numel() < 2:
+                continue
+            top = values[1::2]
+            peaks.append(torch.where(torch.isfinite(top), top, 0).amax().float())
+        if peaks:
+            peak = peaks[0] if len(peaks) == 1 else torch.stack([p.to(peaks[0].device) for p in peaks]).amax()
+            self._peaks.append((step, peak))
+
+    def read(self) -> list[tuple[int, float]]:
+        """(step, peak) of the steps kept, oldest first (a report is being built: syncing is fine)."""
+        if not self._peaks:
+            return []
+        values = torch.stack([p.cpu() for _, p in self._peaks]).tolist()
+        return [(s, v) for (s, _), v in zip(self._peaks, values)]
+
+    def clear(self) -> None:
+        self._peaks.clear()
+
+
+def _step_peak(frames: list[ResolvedFrame], step: int) -> float | None:
+    """The largest finite non-parameter abs max of ``step`` in the resolved frames."""
+    vals = [
+        ln.abs_max for f in frames if f.step == step for ln in f.lines
+        if not ln.param and ln.judged and ln.abs_max is not None and math.isfinite(ln.abs_max)
+        and ln.dtype is not None and ln.dtype.is_floating_point
+    ]
+    return max(vals) if vals else None
+
+
+def _largest_weight(frames: list[ResolvedFrame], step: int) -> tuple[str, float] | None:
+    best = None
+    for f in frames:
+        if f.step != step:
+            continue
+        for ln in f.lines:
+            big = ln.param and ln.abs_max is not None and math.isfinite(ln.abs_max)
+            if big and (best is None or ln.abs_max > best[1]):
+                best = (f"{f.name}.{ln.label}" if f.name else ln.label, ln.abs_max)
+    return best
+
+
+def divergence(frames: list[ResolvedFrame], index: int, trail: list[tuple[int, float]] | None) -> str | None:
+    """The evidence of a diverging run, or None: the largest finite value of the recent steps grew by
+    at least :data:`GROWTH_FACTOR` from the smallest one before it, with the peak in the last two steps."""
+    if not trail:
+        return None
+    step = frames[index].step
+    series = [(s, v) for s, v in trail if s < step and v > 0]
+    now = _step_peak(frames, step)
+    if now is not None and now > 0:
+        series.append((step, now))
+    if len(series) < 3:
+        return None
+    peak_at = max(range(len(series)), key=lambda i: series[i][1])
+    if peak_at < len(series) - 2:
+        return None
+    base_at = min(range(peak_at), key=lambda i: series[i][1]) if peak_at else None
+    if base_at is None or series[peak_at][1] < GROWTH_FACTOR * series[base_at][1]:
+        return None
+    (s0, v0), (s1, v1) = series[base_at], series[peak_at]
+    shown = ", ".join(f"{v:.2e}" for _, v in series[base_at:])
+    text = (
+        f"the largest activation/gradient grew from {v0:.2e} at step {s0} to {v1:.2e} at step {s1} "
+        f"({v1 / v0:.1e}x in {s1 - s0} step(s): {shown})"
+    )
+    weight = _largest_weight(frames, step)
+    if weight is not None and weight[1] >= 1e4:
+        text += f"; the weight {weight[0]} is now {weight[1]:.2e}"
+    return text
+
+
+def _root_outputs(frames: list[ResolvedFrame], step: int) -> tuple[set, torch.dtype | None] | None:
+    """The refs of the model's own outputs in ``step`` (its last root call), and their dtype."""
+    root = next((f for f in reversed(frames) if f.step == step and f.phase == FWD and f.root), None)
+    if root is None:
+        return None
+    outs = [ln for ln in root.lines if ln.label.startswith("output") and ln.ref is not None]
+    if not outs or not all(ln.finite for ln in outs):
+        return None
+    return {ln.ref for ln in outs}, outs[0].dtype
+
+
+@dataclass(frozen=True)
+class LossEvidence:
+    text: str
+    low_precision: bool  # the gradient at the model's output lives in fp16/bf16: an overflow is possible too
+    fix: str = LOSS_FIX
+
+
+def loss_outside(frames: list[ResolvedFrame], index: int, line: Line) -> LossEvidence | None:
+    """The model's forward was finite and the first bad value is where a loss outside the model begins:
+    a ``mark()`` made after the model's forward, the gradient at the model's output, or (``grads='params'``)
+    the parameter gradients of the module that produced the model's output."""
+    frame = frames[index]
+    roots = _root_outputs(frames, frame.step)
+    if roots is None:
+        return None
+    refs, dtype = roots
+    what = "nan" if math.isnan(line.abs_max) else "inf"
+    lowp = low_precision(dtype)
+    if frame.phase == MARK:
+        after_root = any(f.step == frame.step and f.phase == FWD and f.root for f in frames[:index])
+        if not after_root:
+            return None
+        return LossEvidence(
+            f"the model's outputs were finite, and the value marked {frame.name!r} after its forward is {what}", False,
+            f"the code between the model's output and mark {frame.name!r} made the {what} from finite model outputs "
+            f"(your loss function, if that is what it computes): " + LOSS_CHECKS,
+        )
+    if frame.phase != BWD:
+        return None
+    if not line.label.startswith("grad:"):  # grads="modules": the gradient at a module's output
+        if frame.source_ref in refs or (frame.root and frame.source_ref is None):
+            return LossEvidence(
+                f"the forward was finite (the model's outputs too) and the gradient the loss sent into the model's "
+                f"output ({frame.name or 'the model'} {line.label}) was already {what}", lowp,
+            )
+        return None
+    # grads="params": the bad gradients belong to the module that made the model's output, the first the
+    # backward reaches, so the gradient arriving from the loss was already non-finite
+    producer = next(
+        (f for f in reversed(frames[:index]) if f.step == frame.step and f.phase == FWD and not f.root
+         and f.name == frame.name), None,
+    )
+    if producer is None or not any(ln.ref in refs for ln in producer.lines if ln.label.startswith("output")):
+        return None
+    return LossEvidence(
+        f"the forward was finite (the model's outputs too), and the first gradients of the backward, those of "
+        f"{frame.name} ({frame.cls}) which made the model's output, are already {what}: the gradient the loss sent "
+        "into the model was not finite", lowp,
+    )
+
+
+def model_loss(frame: ResolvedFrame, line: Line) -> str | None:
+    """The model computes its own loss (``labels=``): its ``loss`` output is the first bad value and every
+    other output is finite, so the loss computation made it. Labels that are all ``-100`` (abs min = abs max
+    = 100) are named: a mean cross-entropy over no label is 0/0."""
+    if frame.phase != FWD or line.label not in ("output[loss]", "output.loss"):
+        return None
+    others = [ln for ln in frame.lines if ln.label.startswith("output") and ln is not line and ln.ref is not None]
+    if not others or not all(ln.finite for ln in others):
+        return None
+    what = "nan" if math.isnan(line.abs_max) else "inf"
+    text = (f"{frame.name or 'the model'} ({frame.cls}) returned a {what} {line.label} while its other outputs "
+            f"({', '.join(ln.label for ln in others[:3])}) are finite: the loss computation made it")
+    labels = next((ln for ln in frame.lines if ln.label in ("input[labels]", "input.labels")), None)
+    if labels is not None and labels.abs_min == labels.abs_max == 100:
+        text += (". Every label of this batch is -100 (ignore_index), so the mean cross-entropy is 0/0: skip such "
+                 "batches or check how the labels are masked (padding, prompt masking, truncation)")
+    return text
