@@ -497,8 +497,10 @@ def test_a_moved_private_reader_keeps_the_bundled_auto_keys(monkeypatch):
     def moved():
         raise AttributeError("get_pipeline_config")
 
-    monkeypatch.setattr(ds_schema, "_auto_in_pipeline", moved)
-    assert ds_schema._ds_auto_from_deepspeed()["pipeline"] == ("pipeline.stages",)
+    from torchdoctor.deepspeed import schema_auto
+
+    monkeypatch.setattr(schema_auto, "_auto_in_pipeline", moved)
+    assert schema_auto.ds_auto_from_deepspeed()["pipeline"] == ("pipeline.stages",)
 
 
 @pytest.mark.parametrize("cfg, ws, severity, needle", [

@@ -327,7 +327,7 @@ _FALLBACK_SCHEDULERS_TEXT = {  # name: (params after `optimizer`, the required o
 }
 _FALLBACK_SCHEDULERS = {n: (tuple(p.split()), tuple(r.split())) for n, (p, r) in _FALLBACK_SCHEDULERS_TEXT.items()}
 # Keys whose DeepSpeed default is "auto" itself, so "auto" there is DeepSpeed's own value (not a placeholder for the
-# HF Trainer), by where DeepSpeed keeps them (see _ds_auto_from_deepspeed for how each is read):
+# HF Trainer), by where DeepSpeed keeps them (see schema_auto.ds_auto_from_deepspeed for how each is read):
 _FALLBACK_DS_AUTO: dict[str, tuple[str, ...]] = {
     "pipeline": ("pipeline.stages",),  # runtime/config.py get_pipeline_config
     "config": ("data_types.keep_in_fp32_modules",),  # constants.py KEEP_IN_FP32_MODULES_DEFAULT
