@@ -532,3 +532,40 @@ def test_an_oom_kill_of_a_process_no_sample_saw_keeps_the_verdict_open(monkeypat
     clean = wrap.read_kernel_oom({6000})
     assert clean.unseen_oom_lines == []  # older than the command: not ours
     assert wrap.exit_finding(_result(pid=6000, kernel=clean)).data["oom_killer"] is False
+
+
+needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+
+
+@needs_dev_full
+def test_a_full_disk_for_json_or_log_is_a_warning_after_the_run_never_a_false_written():
+    """`run --json /dev/full`: the command runs, its exit code stands, the report goes to stdout instead."""
+    td = [PY, "-m", "torchdoctor", "run"]
+    p = subprocess.run([*td, "--json", "/dev/full", "--", PY, "-c", "print('hi'); raise SystemExit(3)"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3 and "Traceback" not in p.stderr
+    assert "could not be written to --json /dev/full: No space left on device" in p.stderr
+    assert "report written" not in p.stderr
+    assert json.loads(p.stdout[p.stdout.index("{"):])["exit_code"] == 3
+    p = subprocess.run([*td, "--log", "/dev/full", "--", PY, "-c", "print('hi')"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "hi" and "Traceback" not in p.stderr
+    assert "could not be saved in --log /dev/full" in p.stderr and "output saved" not in p.stderr
+
+
+@needs_dev_full
+def test_stdout_on_a_full_disk_is_one_clear_error_exit_2(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("step 1 loss 0.5\n")
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([PY, "-m", "torchdoctor", "logs", "--json", str(log)], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "Exception ignored" not in p.stderr
+    assert "cannot write the output: No space left on device" in p.stderr
+
+
+def test_an_unwritable_json_target_is_refused_before_the_command_starts(tmp_path):
+    marker = tmp_path / "ran"
+    p = subprocess.run([PY, "-m", "torchdoctor", "run", "--json", str(tmp_path / "no" / "r.json"), "--",
+                        PY, "-c", f"open({str(marker)!r}, 'w')"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "cannot write --json" in p.stderr and not marker.exists()

@@ -8,6 +8,7 @@ Exit codes: 0 success, 1 problems found (for ``demo``: the demo did not go as sh
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -78,6 +79,19 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+    except OSError as e:
+        if e.filename is not None or not _is_output_error(e):
+            raise
+        # `torchdoctor logs x > /dev/full`: our own output could not be written; say so once, not a traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        print(f"torchdoctor: cannot write the output: {e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _is_output_error(e: OSError) -> bool:
+    """An error writing standard output (a full disk, a closed or broken descriptor), not one about a file."""
+    return e.errno in (errno.ENOSPC, errno.EIO, errno.EBADF, errno.EDQUOT, errno.EFBIG)
 
 
 if __name__ == "__main__":

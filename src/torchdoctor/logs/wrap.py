@@ -266,6 +266,7 @@ class RunResult:
     findings: list[Finding] = field(default_factory=list)
     reader_gone: tuple[str, float] | None = None  # ("stdout" or "stderr", seconds): our reader of it went away
     last_lines: list[str] = field(default_factory=list)  # the output's last error-looking lines
+    log_error: str | None = None  # why --log stopped being written (a full disk), None when it was written whole
 
     @property
     def signal_name(self) -> str | None:
@@ -528,6 +529,7 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
 
     start = time.monotonic()
     sigs = _Signals(start)
+    log_bytes, log_error = 0, None
     sigs.install()
     proc = None
     status: tuple[int, Any] | None = None  # (wait status, rusage)
@@ -590,8 +592,11 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
                     try:
                         log_file.write(data)
                         log_file.flush()
-                    except OSError:
+                    except OSError as e:  # a full disk: the run goes on, the log stops, the user is told
+                        log_error = f"{e.strerror or e} (the log stops after {log_bytes:,} bytes)"
                         log_file = None
+                    else:
+                        log_bytes += len(data)
                 analysis.feed(lines.feed(data))
                 if gone:
                     # Our reader went away (`torchdoctor run ... | head`): close this pipe, so the command's next
@@ -637,7 +642,7 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         mem_total=mem.total, min_available=mem.min_avail, min_available_t=mem.min_avail_t,
         cgroup_limit=cg_limit, cgroup_oom_kills=oom_kills, pids_seen=mem.pids_seen,
         forwarded=sigs.forwarded, killed_by_us=sigs.killed_by_us, interval=interval,
-        samples=mem.samples, log_findings=[], timeline=[], reader_gone=reader_gone,
+        samples=mem.samples, log_findings=[], timeline=[], reader_gone=reader_gone, log_error=log_error,
     )
     # The kernel log is read (it can take a few seconds) when the command failed or was killed, when its output
     # says a process of it was SIGKILLed (a worker, a grandchild -- whatever the command's own exit status), and

@@ -110,20 +110,45 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n--- torchdoctor run: {cmdline(cmd)} ---", file=sys.stderr)
         print(render_text(shown, color=use_color(sys.stderr)), file=sys.stderr)
         if args.log:
-            print(f"(output saved in {args.log})", file=sys.stderr)
+            log_file, error = None, result.log_error or _close(log_file)
+            if error:
+                _say(f"warning: the output could not be saved in --log {args.log}: {error}")
+            else:
+                print(f"(output saved in {args.log})", file=sys.stderr)
         if json_path:
             sys.stderr.flush()
             text = json.dumps(result.to_json(), indent=1)
             if json_file is not None:
-                json_file.write(text + "\n")
-                print(f"(report written to {json_path})", file=sys.stderr)
+                try:
+                    json_file.write(text + "\n")
+                    json_file.flush()
+                    error = None
+                except OSError as e:
+                    error = e.strerror or str(e)
+                json_file, error = None, error or _close(json_file)
+                if error:  # the command's own exit code stands; the report it could not keep is on stdout
+                    _say(f"warning: the report could not be written to --json {json_path}: {error}; "
+                         "here it is on stdout")
+                    print(text, flush=True)
+                else:
+                    print(f"(report written to {json_path})", file=sys.stderr)
             else:
                 print(text, flush=True)
         return result.exit_code
     finally:
         for f in (log_file, json_file):
-            if f is not None:
-                f.close()
+            _close(f)
+
+
+def _close(f) -> str | None:
+    """Close ``f`` (None: nothing to do); the OS error a close reports (a full disk), or None."""
+    if f is None:
+        return None
+    try:
+        f.close()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
