@@ -875,3 +875,24 @@ def test_gradients_left_by_a_reported_step_are_not_reported_again():
         model(torch.randn(4, 8)).sum().backward()
         with pytest.raises(NonFiniteError):  # a new backward that blows up is reported again
             mon.step()
+
+
+def test_a_report_leads_with_the_answer_and_marks_each_step_of_its_frames(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as caught:
+        with NumericsMonitor(model, optimizer=opt, max_frames=40, report_dir=tmp_path):
+            for step in range(2):
+                x = torch.randn(3, 4)
+                if step == 1:
+                    model[2].bias.data[0] = float("inf")
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    lines = caught.value.report.splitlines()
+    first = lines[0]
+    assert first.startswith("Detected inf at step 1")
+    at = {key: next(i for i, ln in enumerate(lines) if ln.startswith(key))
+          for key in ("Diagnosis:", "Last ", "*** step 0 ***", "*** step 1 ***")}
+    assert at["Diagnosis:"] < at["Last "] < at["*** step 0 ***"] < at["*** step 1 ***"]

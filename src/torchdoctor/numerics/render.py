@@ -47,7 +47,14 @@ def frames_header() -> str:
 
 
 def format_frames(frames: list[ResolvedFrame], marker: Line | None = None) -> list[str]:
+    """The frames under one header; when they span several steps, a ``*** step N ***`` line starts each step's
+    frames (transformers' detector marks its batches the same way)."""
     out = [frames_header()]
+    several = len({f.step for f in frames}) > 1
+    step = None
     for f in frames:
+        if several and f.step != step:
+            out.append(f"*** step {f.step} ***")
+            step = f.step
         out.extend(format_frame(f, phase=True, marker=marker))
     return out

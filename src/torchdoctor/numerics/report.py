@@ -71,6 +71,7 @@ class NonFiniteReport:
 
     def text(self) -> str:
         tag = f"[rank{self.rank}] " if self.rank is not None else ""
+        # the answer first (where, why, what to do), then the evidence: the frames, then the notes
         out = []
         if self.first is not None:
             f = self.first
@@ -78,8 +79,6 @@ class NonFiniteReport:
                 f"Detected {f.value} at step {f.step} ({'backward' if f.phase == BWD else 'forward'}) "
                 f"in {f.module} ({f.cls}), slot {f.slot}"
             )
-            out.append(f"Last {len(self.frames)} frames, in execution order:")
-            out.extend(format_frames(self.frames, self.marker))
         elif self.bad_ranks:
             out.append(f"Stopped at step {self.step}: rank(s) {self.bad_ranks} found non-finite values;")
             out.append("this rank's values were finite. See the report file of the rank(s) named.")
@@ -88,6 +87,9 @@ class NonFiniteReport:
         out.append(f"Diagnosis: {self.diagnosis}")
         if self.fix:
             out.append(f"Fix: {self.fix}")
+        if self.first is not None:
+            out.append(f"Last {len(self.frames)} frames, in execution order:")
+            out.extend(format_frames(self.frames, self.marker))
         out.extend(self.notes)
         return "\n".join(tag + line for line in out)
 
