@@ -881,18 +881,81 @@ def test_a_report_leads_with_the_answer_and_marks_each_step_of_its_frames(tmp_pa
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(NonFiniteError) as caught:
-        with NumericsMonitor(model, optimizer=opt, max_frames=40, report_dir=tmp_path):
-            for step in range(2):
-                x = torch.randn(3, 4)
-                if step == 1:
-                    model[2].bias.data[0] = float("inf")
-                model(x).sum().backward()
-                opt.step()
-                opt.zero_grad()
+    with pytest.raises(NonFiniteError) as caught, NumericsMonitor(model, optimizer=opt, max_frames=40,
+                                                                  report_dir=tmp_path):
+        for step in range(2):
+            x = torch.randn(3, 4)
+            if step == 1:
+                model[2].bias.data[0] = float("inf")
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
     lines = caught.value.report.splitlines()
     first = lines[0]
     assert first.startswith("Detected inf at step 1")
     at = {key: next(i for i, ln in enumerate(lines) if ln.startswith(key))
           for key in ("Diagnosis:", "Last ", "*** step 0 ***", "*** step 1 ***")}
     assert at["Diagnosis:"] < at["Last "] < at["*** step 0 ***"] < at["*** step 1 ***"]
+
+
+def test_a_loop_that_catches_one_bad_batch_goes_on_clean():
+    """The exception skips the loop's zero_grad(): the refused step's gradients must not poison the next ones."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outcome = []
+    with NumericsMonitor(model, optimizer=opt):
+        for step in range(4):
+            x = torch.randn(3, 4)
+            if step == 1:
+                x[0, 0] = float("nan")
+            try:
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                outcome.append("ok")
+            except NonFiniteError as e:
+                outcome.append(e.details.cause)
+    assert outcome == ["ok", "numerics.bad_input", "ok", "ok"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_bad_evaluation_forward_between_backward_and_step_does_not_let_the_step_through():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with NumericsMonitor(model, optimizer=opt):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        model[0].weight.grad[0, 0] = float("nan")  # the training step's gradient goes bad
+        with pytest.raises(NonFiniteError), torch.no_grad():
+            model(torch.full((2, 4), float("nan")))  # an evaluation forward on a bad batch
+        with pytest.raises(NonFiniteError):
+            opt.step()  # the training step is still judged at its own boundary
+    assert torch.isfinite(model[0].weight).all()
+
+
+def test_buffers_replaced_after_attaching_are_said_not_put_back_then_guarded_again(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with NumericsMonitor(model, optimizer=opt, report_dir=tmp_path):
+        model.double()  # replaces the float buffers the monitor saw at attach
+        bad = torch.randn(8, 4, dtype=torch.float64)
+        bad[0, 0] = float("nan")
+        with pytest.raises(NonFiniteError) as caught:
+            model(bad).sum().backward()
+            opt.step()
+        assert any("could not be put back" in n for n in caught.value.details.notes)
+        model[1].reset_running_stats()
+        model(torch.randn(8, 4, dtype=torch.float64)).sum().backward()  # a clean step: the next one's start
+        opt.step()  # copies the new buffers
+        opt.zero_grad()
+        before = model[1].running_mean.clone()
+        with pytest.raises(NonFiniteError) as caught:
+            model(bad).sum().backward()
+            opt.step()
+        assert torch.equal(model[1].running_mean, before)
+        assert not any("could not be put back" in n for n in caught.value.details.notes)

@@ -10,7 +10,8 @@ counters), not the non-persistent ones, which are derived tables or caches (a ro
 causal mask). Version counters cannot say which buffers a step changed: ``batch_norm`` updates its
 running statistics in place without bumping them. So every persistent buffer is copied at each step's
 start, with one fused ``_foreach_copy_`` into copies allocated once; buffers are small next to the
-weights (a BatchNorm holds 2 floats per channel), see BENCHMARKS.md for the cost.
+weights (a BatchNorm holds 2 floats per channel); a buffer over 1 MiB that is not a norm layer's (a
+quantized layer's packed weights) is data, not step state, and is left alone.
 :func:`saved_buffers` is the same put-back around the eager re-run of a compiled region.
 """
 
@@ -44,30 +45,57 @@ def saved_buffers(buffers: Iterable[torch.Tensor]) -> Iterator[None]:
         _copy_back(pairs)
 
 
+# A buffer this large that is not a norm layer's running statistics is data, not state a step updates
+# (a quantized layer's packed weights: GPTQ/AWQ ``qweight``): copying it every step would cost a weight copy.
+_SMALL = 1 << 20
+
+
+def _guarded(m: torch.nn.Module, b: torch.Tensor) -> bool:
+    norm = isinstance(m, torch.nn.modules.batchnorm._NormBase)
+    return _guardable(b) and (norm or b.numel() * b.element_size() <= _SMALL)
+
+
 class BufferGuard:
-    """The persistent buffers of the watched modules as they were when the current step began."""
+    """The persistent buffers of the watched modules as they were when the current step began.
+
+    Buffers are found by (module, name) at every step's start, so one that was replaced since the guard was
+    made (``model.double()``, ``.to(device)``, an assignment) is the one copied and put back."""
 
     def __init__(self, modules: Iterable[torch.nn.Module]) -> None:
-        seen: dict[int, torch.Tensor] = {}
-        for m in modules:
-            skip = m._non_persistent_buffers_set
-            for name, b in m._buffers.items():
-                if b is not None and name not in skip and _guardable(b):
-                    seen.setdefault(id(b), b)
-        self._buffers = list(seen.values())
+        self._slots = [(m, name) for m in modules for name in m._buffers
+                       if name not in m._non_persistent_buffers_set]
+        self._buffers: list[torch.Tensor] = []
         self._copies: list[torch.Tensor] = []
+        self.missed = 0  # buffers the last restore() could not put back (replaced since the step began)
+
+    def _current(self) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+        for m, name in self._slots:
+            b = m._buffers.get(name)
+            if b is not None and _guarded(m, b):
+                seen.setdefault(id(b), b)
+        return list(seen.values())
 
     def start(self) -> None:
-        """A step begins: copy the buffers (one fused copy into copies allocated once)."""
-        if not self._buffers:
+        """A step begins: copy the buffers (one fused copy into copies allocated once, again when a buffer was
+        replaced or changed shape or dtype)."""
+        current = self._current()
+        same = len(current) == len(self._buffers) and all(
+            a is b and a.shape == c.shape and a.dtype == c.dtype
+            for a, b, c in zip(current, self._buffers, self._copies, strict=False))
+        if not same:
+            self._buffers, self._copies = current, [b.detach().clone() for b in current]
             return
-        if not self._copies:
-            self._copies = [b.detach().clone() for b in self._buffers]
-            return
-        with torch.no_grad():
-            torch._foreach_copy_(self._copies, [b.detach() for b in self._buffers])
+        if current:
+            with torch.no_grad():
+                torch._foreach_copy_(self._copies, [b.detach() for b in current])
 
     def restore(self) -> int:
-        """Put every buffer back as the step began; how many there are."""
-        _copy_back(list(zip(self._buffers, self._copies, strict=False)))
-        return len(self._copies)
+        """Put every buffer back as the step began; how many were put back (a buffer replaced since the step
+        began, e.g. by ``model.double()``, has no copy of its own and is not counted)."""
+        saved = {id(b): c for b, c in zip(self._buffers, self._copies, strict=False)}  # they hold their ids
+        current = self._current()
+        pairs = [(b, saved[id(b)]) for b in current if id(b) in saved]
+        self.missed = len(current) - len(pairs)
+        _copy_back(pairs)
+        return len(pairs)

@@ -93,7 +93,11 @@ class GrowthTrail:
             top = values[1::2]
             peaks.append(torch.where(torch.isfinite(top), top, 0).amax().float())
         if peaks:
-            peak = peaks[0] if len(peaks) == 1 else torch.stack([p.to(peaks[0].device) for p in peaks]).amax()
+            # groups on several devices: gather on an accelerator if there is one, without waiting (as
+            # stats.all_finite does: a copy *to* the CPU would block until the device caught up)
+            target = next((p.device for p in peaks if p.device.type != "cpu"), peaks[0].device)
+            peak = peaks[0] if len(peaks) == 1 else torch.stack(
+                [p.to(target, non_blocking=target.type != "cpu") for p in peaks]).amax()
             self._peaks.append((step, peak))
 
     def read(self) -> list[tuple[int, float]]:

@@ -350,7 +350,7 @@ class NumericsMonitor(Recording, Judging):
 
     def _new_step(self, continued: bool = False) -> None:
         self._rec = StepRecord(continued=continued)
-        if self._buffers is not None:
+        if self._buffers is not None and not continued:  # a continued step keeps the snapshot of its start
             self._buffers.start()
 
     def _steps_end_at_forward(self) -> bool:
@@ -487,6 +487,11 @@ class NumericsMonitor(Recording, Judging):
         update was refused, so the next try is the same step (compat passes transformers' counting).
         How many buffers were put back."""
         restored = self._buffers.restore() if self._buffers is not None else 0
+        if self._optimizer_hooked():
+            # the update was refused and the exception skips the loop's zero_grad(): drop the refused step's
+            # gradients, or the next backward adds onto its nan and every later step is reported again
+            for p in self._params:
+                p.grad = None
         self._history.clear()
         self._deferred_report = None
         self._stash = None
@@ -514,13 +519,20 @@ class NumericsMonitor(Recording, Judging):
         self._active = False
         self._release_modules()
 
-    def _finish(self, report: NonFiniteReport) -> None:
+    def _finish(self, report: NonFiniteReport, reset: bool = True) -> None:
         """Keep the report, put the buffers back, write the report to disk before anything is raised, and go on
-        watching from a fresh step."""
+        watching from a fresh step. ``reset=False`` (a no-grad pass between a backward and its optimizer step):
+        the training step it interrupted is resumed as it is, still to be checked at its own boundary."""
         self.report = report
         if self._at_exit:
             report.notes.append(EXIT_NOTE)
-        restored = self._after_detection()
+        restored = self._after_detection() if reset else 0
+        missed = self._buffers.missed if reset and self._buffers is not None else 0
+        if missed:
+            report.notes.append(
+                f"{missed} module buffer(s) replaced since this step began (e.g. by model.double() or .to()) "
+                "could not be put back."
+            )
         if restored:
             report.notes.append(
                 f"{restored} module buffer(s) (e.g. BatchNorm running statistics) were put back as they were "
@@ -585,6 +597,7 @@ class NumericsMonitor(Recording, Judging):
                 # other ranks may be in a collective already: say it at the next shared verdict, together
                 self._deferred_report = self._deferred_report or report
                 return
-            self._raise(report)
+            self._finish(report, reset=False)  # the resumed training step is judged at its own boundary
+            raise NonFiniteError(report)
 
 
