@@ -505,3 +505,32 @@ def test_colour_only_on_a_terminal_and_never_with_no_color(monkeypatch, tmp_path
     monkeypatch.delenv("NO_COLOR")
     monkeypatch.setenv("TERM", "dumb")
     assert not use_color(Tty())
+
+
+def test_local_join_progress_counts_the_ranks_that_posted_their_identity(capsys):
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from torchdoctor.comm.launch import free_port
+    from torchdoctor.comm.local import _JoinProgress
+
+    store = TCPStore("127.0.0.1", free_port(), None, True, timeout=datetime.timedelta(seconds=10),
+                     wait_for_workers=False)
+    progress = _JoinProgress(store, 3)
+    progress.poll()
+    assert capsys.readouterr().err == ""  # nothing in the first 2 s
+    progress.start -= 10
+    store.set("id/0", "{}")
+    store.set("id/2", "{}")
+    progress.poll()
+    assert "2/3 ranks joined (10 s)" in capsys.readouterr().err
+    progress.poll()
+    assert capsys.readouterr().err == ""  # at most one line every 5 s
+    store.set("id/1", "{}")
+    progress.last_print -= 10
+    progress.poll()
+    assert "3/3 ranks joined" in capsys.readouterr().err
+    progress.last_print -= 10
+    progress.poll()
+    assert capsys.readouterr().err == ""  # all joined: silent from then on

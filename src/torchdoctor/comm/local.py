@@ -64,7 +64,7 @@ def run_local(n: int, opts: Options) -> int:
     def ended(rank: int, p: subprocess.Popen) -> None:
         post_exit(channel, rank, exit_record(p.returncode, p.pid))
 
-    codes, stopped_by = _wait(procs, opts.timeout, ended)
+    codes, stopped_by = _wait(procs, opts.timeout, ended, _JoinProgress(channel, n).poll)
     if not channel.check(["reporter"]):
         _report_for_dead_ranks(n, port, opts)
     if stopped_by is not None:
@@ -74,11 +74,37 @@ def run_local(n: int, opts: Options) -> int:
     return EXIT_USAGE if all(c == EXIT_USAGE for c in codes) else EXIT_PROBLEMS
 
 
+class _JoinProgress:
+    """While ranks are still joining (many ranks start slowly: each imports torch), a line on stderr now and
+    then -- ``12/64 ranks joined (6 s)`` -- so a long start is not silence. Nothing for a start under 2 s."""
+
+    FIRST_S, EVERY_S = 2.0, 5.0
+
+    def __init__(self, channel, n: int) -> None:
+        self.channel, self.n, self.start = channel, n, time.monotonic()
+        self.joined: set[int] = set()
+        self.last_print: float | None = None
+
+    def poll(self) -> None:
+        if len(self.joined) == self.n:
+            return
+        now = time.monotonic()
+        if now - self.start < self.FIRST_S or (self.last_print is not None and now - self.last_print < self.EVERY_S):
+            return
+        with contextlib.suppress(Exception):  # progress is a courtesy: never let it break the run
+            self.joined |= {r for r in range(self.n) if r not in self.joined and self.channel.check([f"id/{r}"])}
+        self.last_print = now
+        print(f"torchdoctor comm --local: {len(self.joined)}/{self.n} ranks joined ({now - self.start:.0f} s)",
+              file=sys.stderr, flush=True)
+
+
 def _wait(procs: list[subprocess.Popen], timeout: float,
-          ended: Callable[[int, subprocess.Popen], None] = lambda r, p: None) -> tuple[list[int], int | None]:
+          ended: Callable[[int, subprocess.Popen], None] = lambda r, p: None,
+          progress: Callable[[], None] = lambda: None) -> tuple[list[int], int | None]:
     """Wait for the ranks; never forever. Once one has ended, the others get their own deadline plus the time
     to report; then SIGTERM (they report that), then SIGKILL. SIGTERM / Ctrl-C to this process reach them.
-    ``ended(rank, process)`` is told of each rank's end as soon as it is reaped (within 0.1 s)."""
+    ``ended(rank, process)`` is told of each rank's end as soon as it is reaped (within 0.1 s); ``progress()``
+    is called on every poll (0.1 s)."""
     stop = {"signal": None}
     told: set[int] = set()
 
@@ -101,6 +127,7 @@ def _wait(procs: list[subprocess.Popen], timeout: float,
         while any(p.poll() is None for p in procs):
             time.sleep(0.1)
             tell()
+            progress()
             now = time.monotonic()
             if first_end is None and any(p.poll() is not None for p in procs):
                 first_end = now
