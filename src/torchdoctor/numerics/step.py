@@ -9,7 +9,7 @@ current record is all it takes to keep those apart.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -72,6 +72,16 @@ class StepRecord:
         self.seen.clear()
         self.grad_targets.clear()
         measured: dict[int, list[Slot]] = {}
+        per_param: dict[int, Slot] = {}  # a weight shared by modules (a tied LM head) is measured once
+
+        def weight_slot(name: str, p: torch.Tensor) -> Slot:
+            slot = per_param.get(id(p))
+            if slot is None:
+                if self.weights is None:
+                    self.weights = StatBuffer()
+                slot = per_param[id(p)] = measure(self.weights, name, p, param=True)
+            return slot if slot.label == name else replace(slot, label=name)
+
         for f in self.frames:
             f.with_param_grads = False
             module = f.info.module() if f.with_params else None
@@ -79,10 +89,7 @@ class StepRecord:
                 continue
             slots = measured.get(id(module))
             if slots is None:
-                if self.weights is None:
-                    self.weights = StatBuffer()
-                slots = [measure(self.weights, n, p, param=True) for n, p in module.named_parameters(recurse=False)]
-                measured[id(module)] = slots
+                slots = measured[id(module)] = [weight_slot(n, p) for n, p in module.named_parameters(recurse=False)]
             f.weights = slots
 
     def activation_flag(self) -> torch.Tensor | None:
