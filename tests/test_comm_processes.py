@@ -106,7 +106,7 @@ def test_table_is_printed_once_by_one_rank():
     assert lines[start + 1].split() == ["rank", "host", "local", "device", "status"]
     assert [ln.split()[0] for ln in lines[start + 2:start + 5]] == ["0", "1", "2"]
     assert all(ln.rstrip().endswith("OK") for ln in lines[start + 2:start + 5])
-    assert "(comm.ok)" in proc.stdout
+    assert "[OK] all 3 ranks passed every stage" in proc.stdout
 
 
 def test_one_rank_has_nothing_to_test():

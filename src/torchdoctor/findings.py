@@ -95,7 +95,10 @@ def render_text(findings: Iterable[Finding], width: int = 100, color: bool = Fal
         mark = f"[{_MARK[f.severity]}]"
         if color:
             mark = f"{_COLOR[f.severity]}{mark}{_RESET}"
-        lines.append(f"{mark} {f.title}  ({f.id})")
+        # The id names the check whatever its outcome ('build.ninja-missing' is also the id of "ninja found"),
+        # so an OK line leaves it out: "[OK] ninja 1.11.1 found (build.ninja-missing)" reads as a contradiction.
+        # --json keeps it for every severity.
+        lines.append(f"{mark} {f.title}" if f.severity == "ok" else f"{mark} {f.title}  ({f.id})")
         for e in f.evidence:
             lines.extend(textwrap.wrap(e, width, initial_indent="    ", subsequent_indent="      "))
         for i, fx in enumerate(f.fix):
@@ -110,7 +113,7 @@ def render_markdown(findings: Iterable[Finding]) -> str:
     """Markdown for pasting into a bug report."""
     out: list[str] = []
     for f in findings:
-        out.append(f"- **{_MARK[f.severity]}** {f.title} (`{f.id}`)")
+        out.append(f"- **{_MARK[f.severity]}** {f.title}" + ("" if f.severity == "ok" else f" (`{f.id}`)"))
         out.extend(f"  - {e}" for e in f.evidence)
         out.extend(f"  - fix: {fx}" for fx in f.fix)
     return "\n".join(out)
