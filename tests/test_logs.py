@@ -26,7 +26,7 @@ from torchdoctor.advice import fp16_collapse_fix
 from torchdoctor.logs import analyze as A
 from torchdoctor.logs import logs_run
 from torchdoctor.logs.analyze import Analyzer, analyze_lines, analyze_stream, open_log
-from torchdoctor.logs.scan import SNIFF_BYTES, _decoder_for
+from torchdoctor.logs.scan import SNIFF_BYTES, decoder_for
 
 FIX = Path(__file__).parent / "fixtures" / "logs"
 
@@ -486,7 +486,7 @@ def test_fuzz_analyze_stream_on_bytes_is_chunking_independent(data, chunk):
     assert pieces.to_json() == whole.to_json()
     # the encoding is sniffed from the first bytes (a BOM, UTF-16 NULs, invalid UTF-8: Latin-1); lines are "\n" of
     # the decoded text
-    enc, _ = _decoder_for(data[:SNIFF_BYTES])
+    enc, _ = decoder_for(data[:SNIFF_BYTES])
     text = data.decode(enc, "replace")
     assert whole.lines == text.count("\n") + (1 if text and not text.endswith("\n") else 0)
     lines = Analyzer()
@@ -637,7 +637,7 @@ def test_loss_scale_at_the_minimum_to_the_end_or_deepspeeds_exception_stays_a_fa
 
 def _blocks(data: bytes, cuts: list[int]) -> list[tuple[bytes, bool]]:
     """data cut like torchdoctor run cuts a pipe: whole lines per read, overlong lines in pieces."""
-    from torchdoctor.logs.wrap import _Lines
+    from torchdoctor.logs.wrap_pump import _Lines
 
     lines, out, at = _Lines(), [], 0
     for c in [*cuts, len(data)]:

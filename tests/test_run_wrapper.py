@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from torchdoctor.logs import wrap, wrap_run
+from torchdoctor.logs import wrap, wrap_process, wrap_run
 
 PY = sys.executable
 MIB = 1 << 20
@@ -421,14 +421,14 @@ def _fake_kernel(monkeypatch, oom_for_logged_pid: bool) -> list[set[int]]:
         return wrap.KernelLog(True, "dmesg -T", lines if oom_for_logged_pid else [])
 
     seen: list[set[int]] = [set()]
-    orig = wrap._Memory.sample
+    orig = wrap_process.Memory.sample
 
     def sample(self, now):  # remember what the sampler saw: the worker's pid comes only from the log
         orig(self, now)
         seen[0] = set(self.pids_seen)
 
     monkeypatch.setattr(wrap, "read_kernel_oom", fake)
-    monkeypatch.setattr(wrap._Memory, "sample", sample)
+    monkeypatch.setattr(wrap_process.Memory, "sample", sample)
     return calls
 
 

@@ -33,7 +33,7 @@ SNIFF_BYTES = 4096   # bytes read before the encoding is chosen
 TAIL_CHARS = 4096    # characters of the end of the output kept for last_lines()
 
 
-def _decoder_for(head: bytes) -> tuple[str, Any]:
+def decoder_for(head: bytes) -> tuple[str, Any]:
     """The encoding and an incremental decoder for a log that starts with ``head`` (see ``Scanner.feed_bytes``)."""
     enc = "utf-8"
     if head.startswith(codecs.BOM_UTF8):
@@ -111,7 +111,7 @@ class Scanner:
                 if len(self._sniff_buf) < SNIFF_BYTES:
                     return
                 data, self._sniff_buf = self._sniff_buf, b""
-                self.encoding, self._decoder = _decoder_for(data)
+                self.encoding, self._decoder = decoder_for(data)
             self._feed_text(self._decoder.decode(bytes(data)))
         except Exception:  # noqa: BLE001
             self._internal_errors += 1
@@ -141,7 +141,7 @@ class Scanner:
         try:
             if self._decoder is None:
                 data, self._sniff_buf = self._sniff_buf, b""
-                self.encoding, self._decoder = _decoder_for(data)
+                self.encoding, self._decoder = decoder_for(data)
                 text = self._decoder.decode(data, final=True)
             else:
                 text = self._decoder.decode(b"", final=True)

@@ -1,30 +1,24 @@
 """Run a command as a transparent child and explain how it ended (the engine of ``torchdoctor run``).
 
 A DeepSpeed run that exhausts host RAM while loading is SIGKILLed by the kernel with no traceback: the
-log just stops. Only something *outside* the process can say what happened, so this module runs the
-command as a child and watches it:
+log just stops. Only something *outside* the process can say what happened, so :func:`run_command` runs the
+command as a child and watches it, with two helpers:
 
-* its stdout and stderr pass through unchanged (byte for byte, chunk by chunk as they arrive, so a
-  ``\\r`` progress bar is not held back), are appended to a log file if asked, and are fed to the log
-  :class:`~torchdoctor.logs.analyze.Analyzer` in blocks of whole lines, each stream cut on its own
-  (``Analyzer.feed_block``: as fast as ``torchdoctor logs``);
-* when the reader of our stdout (or stderr) goes away (``torchdoctor run ... | head``), that pipe of the
-  command is closed, so its next write there fails (SIGPIPE, or EPIPE) just as in a plain shell pipeline --
-  the command is not kept running with nobody reading its output;
-* every ``interval`` seconds it sums ``VmRSS`` over the child's whole process tree (found through the
-  ``ppid`` field of ``/proc/*/stat``, so torchrun's workers count) and reads ``MemAvailable`` and
-  ``MemTotal``; it keeps the peak tree RSS and the lowest MemAvailable, with their times;
-* when the command fails or is killed, when its output says one of its processes was SIGKILLed (a worker,
-  a grandchild: even if the command then exits 0), or when the cgroup's ``oom_kill`` counter rose, it reads
-  the kernel log (best effort: ``dmesg -T``, ``/dev/kmsg``, ``journalctl -k``) for OOM-killer lines about
-  the processes it saw and those the output names. That evidence, with the samples, goes to the analyzer's
-  ``process.killed`` finding (``Analyzer.set_run_evidence``): a logged SIGKILL is blamed on the OOM killer
-  only when the kernel says so, and is said not to be the OOM killer when the kernel log is readable without
-  such a line and memory never ran low.
+* :mod:`.wrap_process` -- the child itself: started in its own process group (SIGINT, SIGTERM, SIGHUP and
+  SIGQUIT sent to us are forwarded to that whole group, the third SIGINT sends SIGKILL), and every
+  ``interval`` seconds the summed ``VmRSS`` of its whole process tree and the machine's ``MemAvailable``;
+* :mod:`.wrap_pump` -- its output: stdout and stderr passed through unchanged as they arrive (and appended to
+  a log file if asked), decoded (UTF-8, a line that is not as Latin-1, a UTF-16 stream as UTF-16) and fed to
+  the log :class:`~torchdoctor.logs.analyze.Analyzer` in blocks of whole lines.
 
-The child runs in its own process group; SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to us are forwarded
-to that whole group (so torchrun and all its workers get a Ctrl-C exactly once), the third SIGINT sends
-SIGKILL. The wrapper itself never prints during the run: the caller renders :class:`RunResult`.
+This module holds the end of the run: when the command fails or is killed, when its output says one of its
+processes was SIGKILLed (a worker, a grandchild: even if the command then exits 0), or when the cgroup's
+``oom_kill`` counter rose, it reads the kernel log (best effort: ``dmesg -T``, ``/dev/kmsg``, ``journalctl -k``)
+for OOM-killer lines about the processes it saw and those the output names. That evidence, with the samples,
+goes to the analyzer's ``process.killed`` finding (``Analyzer.set_run_evidence``): a logged SIGKILL is blamed on
+the OOM killer only when the kernel says so, and is said not to be the OOM killer when the kernel log is
+readable without such a line and memory never ran low. The wrapper itself never prints during the run: the
+caller renders :class:`RunResult`.
 """
 
 from __future__ import annotations
@@ -34,8 +28,6 @@ import errno
 import os
 import re
 import resource
-import select
-import selectors
 import signal
 import socket
 import subprocess
@@ -56,73 +48,11 @@ from .wrap_findings import (  # noqa: F401 -- re-exported: the findings are part
     exit_finding,
     memory_finding,
 )
+from .wrap_process import Memory, Signals, WrapError, process_tree, spawn, terminate, vm_rss
+from .wrap_pump import Analysis, Pump
 
-_READ_CHUNK = 65536  # a pipe's default capacity: one read takes what it holds
-_MAX_PARTIAL_LINE = 1 << 20  # a "line" longer than this is fed to the analyzer in pieces
-_MAX_SAMPLES = 4000  # memory samples kept for --json; older ones are thinned, never the peaks
 _DRAIN_IDLE_S = 1.0  # after the child exits: stop reading once the pipes are idle this long ...
 _DRAIN_MAX_S = 5.0  # ... or this long at most (a daemonised grandchild may hold the pipes forever)
-_FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
-
-
-
-class WrapError(Exception):
-    """The command could not be started; ``exit_code`` is what a shell would return (127, 126)."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-# ----------------------------------------------------------------------------------------------- /proc
-
-
-def _ppid_map() -> dict[int, int]:
-    """pid -> ppid for every process visible in /proc (threads are not listed at the top level)."""
-    out: dict[int, int] = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return out
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-            # "pid (comm) state ppid ..." -- comm may hold spaces and parentheses: split after the last ')'
-            out[int(name)] = int(stat[stat.rindex(b")") + 2:].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue  # the process ended while we looked
-    return out
-
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and all its living descendants (``[]`` once ``root`` is gone)."""
-    ppids = _ppid_map()
-    if root not in ppids:
-        return []
-    children: dict[int, list[int]] = {}
-    for pid, ppid in ppids.items():
-        children.setdefault(ppid, []).append(pid)
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, ()))
-    return tree
-
-
-def vm_rss(pid: int) -> int:
-    """Resident set size of one process in bytes (0 for a zombie or a process that is gone)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 # --------------------------------------------------------------------------------------- kernel log
@@ -295,213 +225,6 @@ class RunResult:
         }
 
 
-def _write_all(fd: int, data: bytes) -> bool:
-    """Write everything; False when the reader is gone (EPIPE) so the caller stops writing there."""
-    view = memoryview(data)
-    while view:
-        try:
-            n = os.write(fd, view)
-        except BlockingIOError:  # an inherited non-blocking stdout
-            select.select([], [fd], [], 1.0)
-            continue
-        except (BrokenPipeError, OSError):
-            return False
-        view = view[n:]
-    return True
-
-
-class _Lines:
-    """Cuts one byte stream into blocks of whole ``\\n`` lines for the analyzer (which reads ``\\r`` segments
-    itself): each read of the pipe becomes one block (the lines it completes), the unfinished last line waits
-    for the next read. A line longer than ``_MAX_PARTIAL_LINE`` is handed on in pieces, cut after a ``\\r``
-    where there is one."""
-
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []  # the unfinished line, as read (joined only when it ends: no quadratic copies)
-        self.size = 0
-
-    def feed(self, data: bytes) -> list[tuple[bytes, bool]]:
-        """``(block, partial)`` pairs for :meth:`Analyzer.feed_block`."""
-        out: list[tuple[bytes, bool]] = []
-        cut = data.rfind(b"\n") + 1
-        if cut:
-            block = b"".join((*self.parts, data[:cut])) if self.parts else data[:cut]
-            self.parts, self.size = [], 0
-            out.append((block, False))
-            data = data[cut:]
-        if data:
-            self.parts.append(data)
-            self.size += len(data)
-            if self.size > _MAX_PARTIAL_LINE:
-                rest = b"".join(self.parts)
-                r = rest.rfind(b"\r") + 1 or len(rest)
-                out.append((rest[:r], True))
-                self.parts, self.size = ([rest[r:]], len(rest) - r) if r < len(rest) else ([], 0)
-        return out
-
-    def flush(self) -> list[tuple[bytes, bool]]:
-        rest = b"".join(self.parts)
-        self.parts, self.size = [], 0
-        return [(rest, False)] if rest else []
-
-
-class _Analysis:
-    """The log analyzer behind a guard: a bug in it must never disturb the command it watches."""
-
-    def __init__(self) -> None:
-        self.error: str | None = None
-        self.analyzer: Any = None
-        try:
-            from .analyze import Analyzer
-
-            self.analyzer = Analyzer(source="command")
-        except Exception as e:  # noqa: BLE001 -- reported as a finding, the run goes on
-            self.error = f"cannot start the log analyzer: {type(e).__name__}: {e}"
-
-    def feed(self, blocks: list[tuple[bytes, bool]]) -> None:
-        if self.analyzer is None:
-            return
-        try:
-            for block, partial in blocks:
-                self.analyzer.feed_block(block, partial=partial)
-        except Exception as e:  # noqa: BLE001
-            self.error = f"the log analyzer failed on a line: {type(e).__name__}: {e}"
-            self.analyzer = None
-
-    def kills(self) -> list[dict]:
-        if self.analyzer is not None:
-            try:
-                return self.analyzer.kills()
-            except Exception as e:  # noqa: BLE001
-                self.error = f"the log analyzer failed at the end: {type(e).__name__}: {e}"
-        return []
-
-    def set_run_evidence(self, **kw: Any) -> None:
-        if self.analyzer is not None:
-            try:
-                self.analyzer.set_run_evidence(**kw)
-            except Exception as e:  # noqa: BLE001
-                self.error = f"the log analyzer failed at the end: {type(e).__name__}: {e}"
-
-    def set_exit(self, code: int) -> None:
-        if self.analyzer is not None:
-            try:
-                self.analyzer.set_exit(code)
-            except Exception as e:  # noqa: BLE001
-                self.error = f"the log analyzer failed at the end: {type(e).__name__}: {e}"
-
-    def last_lines(self) -> list[str]:
-        if self.analyzer is not None:
-            try:
-                return self.analyzer.last_lines()
-            except Exception:  # noqa: BLE001 -- only evidence
-                pass
-        return []
-
-    def finish(self) -> tuple[list[Finding], list[dict]]:
-        if self.analyzer is not None:
-            try:
-                report = self.analyzer.finish()
-                return list(report.findings), list(report.timeline)
-            except Exception as e:  # noqa: BLE001
-                self.error = f"the log analyzer failed at the end: {type(e).__name__}: {e}"
-        return [], []
-
-
-class _Memory:
-    """Samples the tree's RSS and the machine's MemAvailable; keeps the extremes and a thinned series."""
-
-    def __init__(self, root: int, start: float) -> None:
-        self.root, self.start = root, start
-        self.peak, self.peak_t, self.peak_procs = 0, None, 0
-        self.min_avail: int | None = None
-        self.min_avail_t: float | None = None
-        self.total: int | None = None
-        self.pids_seen: set[int] = {root}
-        self.samples: list[dict[str, float]] = []
-        self._every, self._n = 1, 0
-
-    def sample(self, now: float) -> None:
-        t = now - self.start
-        tree = process_tree(self.root)
-        self.pids_seen.update(tree[:4096])
-        rss = sum(vm_rss(p) for p in tree)
-        if tree and rss > self.peak:
-            self.peak, self.peak_t, self.peak_procs = rss, t, len(tree)
-        mi = read_meminfo()
-        avail, self.total = mi.get("MemAvailable"), mi.get("MemTotal", self.total)
-        if avail is not None and (self.min_avail is None or avail < self.min_avail):
-            self.min_avail, self.min_avail_t = avail, t
-        if self._n % self._every == 0:
-            self.samples.append({"t": round(t, 2), "rss_gib": round(rss / GIB, 4),
-                                 "available_gib": None if avail is None else round(avail / GIB, 4)})
-            if len(self.samples) > _MAX_SAMPLES:
-                self.samples = self.samples[::2]
-                self._every *= 2
-        self._n += 1
-
-
-class _Signals:
-    """Forwards terminal/job-control signals to the child's process group while it runs."""
-
-    def __init__(self, start: float) -> None:
-        self.start = start
-        self.pgid: int | None = None
-        self.pending: list[int] = []
-        self.forwarded: list[tuple[float, str]] = []
-        self.sigints = 0
-        self.killed_by_us = False
-        self.old: dict[int, Any] = {}
-
-    def install(self) -> None:
-        try:
-            for name in _FORWARDED:
-                sig = getattr(signal, name)
-                self.old[sig] = signal.signal(sig, self._handle)
-            self.old[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, self._stop)
-            self.old[signal.SIGCONT] = signal.signal(signal.SIGCONT, self._cont)
-        except ValueError:  # not the main thread: signals cannot be forwarded, the run still works
-            self.restore()
-
-    def restore(self) -> None:
-        for sig, old in self.old.items():
-            signal.signal(sig, old)
-        self.old.clear()
-
-    def attach(self, pgid: int) -> None:
-        self.pgid = pgid
-        for sig in self.pending:
-            self._send(sig)
-        self.pending.clear()
-
-    def _send(self, sig: int) -> None:
-        if self.pgid is None:
-            self.pending.append(sig)
-            return
-        try:
-            os.killpg(self.pgid, sig)
-        except OSError:
-            with contextlib.suppress(OSError):  # the child left its group (setsid): reach it at least
-                os.kill(self.pgid, sig)
-
-    def _handle(self, sig: int, frame: Any) -> None:
-        if sig == signal.SIGINT:
-            self.sigints += 1
-            if self.sigints >= 3:
-                os.write(2, b"\ntorchdoctor run: third interrupt -- sending SIGKILL to the command\n")
-                self.killed_by_us = True
-                sig = signal.SIGKILL
-        self.forwarded.append((time.monotonic() - self.start, signame(sig)))
-        self._send(sig)
-
-    def _stop(self, sig: int, frame: Any) -> None:  # Ctrl-Z: stop the command, then ourselves
-        self._send(signal.SIGTSTP)
-        os.kill(os.getpid(), signal.SIGSTOP)
-
-    def _cont(self, sig: int, frame: Any) -> None:
-        self._send(signal.SIGCONT)
-
-
 def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
                 out_fd: int = 1, err_fd: int = 2) -> RunResult:
     """Run ``argv``, pass its output through to ``out_fd``/``err_fd``, watch it, and say how it ended.
@@ -517,19 +240,12 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
     """
     if not argv:
         raise WrapError("no command given", 2)
-    env = dict(os.environ)
-    env.setdefault("PYTHONUNBUFFERED", "1")  # its stdout is a pipe now: without this Python would block-buffer
-    # Our own group for the child: a signal we forward reaches the whole tree exactly once. A terminal as
-    # stdin would stop a background group that reads it (SIGTTIN) -- give it no stdin rather than a hang.
-    stdin = subprocess.DEVNULL if _isatty(0) else None
-    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
 
     start = time.monotonic()
-    sigs = _Signals(start)
-    log_bytes, log_error = 0, None
+    sigs = Signals(start)
     sigs.install()
     proc = None
     status: tuple[int, Any] | None = None  # (wait status, rusage)
@@ -538,31 +254,18 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         # a forked child's ru_maxrss starts at this process's own high-water mark (the mm is copied with its
         # hiwater and exec keeps the maximum), not at its current RSS: compare against the high-water mark
         own_rss = max(vm_rss(os.getpid()) or 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        try:
-            proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    env=env, **group)
-        except FileNotFoundError:
-            raise WrapError(f"{argv[0]}: command not found", 127) from None
-        except PermissionError:
-            raise WrapError(f"{argv[0]}: permission denied (not executable)", 126) from None
-        except OSError as e:
-            raise WrapError(f"{argv[0]}: cannot execute: {e.strerror or e}", 126) from None
+        proc = spawn(argv)
         start = time.monotonic()
         sigs.start = start
         sigs.attach(proc.pid)
-        analysis = _Analysis()
-        mem = _Memory(proc.pid, start)
+        analysis = Analysis()
+        mem = Memory(proc.pid, start)
         mem.sample(start)
         next_sample = start + interval
 
-        sel = selectors.DefaultSelector()
-        outputs = {proc.stdout.fileno(): [out_fd, _Lines(), proc.stdout, "stdout"],
-                   proc.stderr.fileno(): [err_fd, _Lines(), proc.stderr, "stderr"]}
-        for fd in outputs:
-            sel.register(fd, selectors.EVENT_READ)
-        exited_at = last_data = None
-        reader_gone: tuple[str, float] | None = None
-        while outputs:
+        pump = Pump([(proc.stdout, out_fd, "stdout"), (proc.stderr, err_fd, "stderr")], log_file, analysis, start)
+        exited_at = None
+        while pump.open:
             now = time.monotonic()
             if status is None:
                 if now >= next_sample:
@@ -571,46 +274,10 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
                 pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
                 if pid:
                     status, exited_at = (st, ru), now
-            elif now - exited_at > _DRAIN_MAX_S or now - max(exited_at, last_data or exited_at) > _DRAIN_IDLE_S:
+            elif now - exited_at > _DRAIN_MAX_S or now - max(exited_at, pump.last_data or exited_at) > _DRAIN_IDLE_S:
                 break  # the command is gone but something it started still holds the pipes
-            timeout = 0.1 if status is not None else max(0.0, min(next_sample - now, 0.25))
-            for key, _ in sel.select(timeout):
-                fd = key.fd
-                try:
-                    data = os.read(fd, _READ_CHUNK)
-                except OSError:
-                    data = b""
-                dest, lines, pipe, name = outputs[fd]
-                if not data:
-                    analysis.feed(lines.flush())
-                    sel.unregister(fd)
-                    del outputs[fd]
-                    continue
-                last_data = time.monotonic()
-                gone = dest is not None and not _write_all(dest, data)
-                if log_file is not None:
-                    try:
-                        log_file.write(data)
-                        log_file.flush()
-                    except OSError as e:  # a full disk: the run goes on, the log stops, the user is told
-                        log_error = f"{e.strerror or e} (the log stops after {log_bytes:,} bytes)"
-                        log_file = None
-                    else:
-                        log_bytes += len(data)
-                analysis.feed(lines.feed(data))
-                if gone:
-                    # Our reader went away (`torchdoctor run ... | head`): close this pipe, so the command's next
-                    # write to it fails (SIGPIPE, or EPIPE where it ignores SIGPIPE) as it would with no
-                    # torchdoctor in between -- rather than running on with nobody reading its output.
-                    analysis.feed(lines.flush())
-                    sel.unregister(fd)
-                    del outputs[fd]
-                    pipe.close()
-                    if reader_gone is None:
-                        reader_gone = (name, last_data - start)
-        for _, lines, _, _ in outputs.values():
-            analysis.feed(lines.flush())
-        sel.close()
+            pump.poll(0.1 if status is not None else max(0.0, min(next_sample - now, 0.25)))
+        pump.close()
         if status is None:
             _, st, ru = os.wait4(proc.pid, 0)
             status = (st, ru)
@@ -619,7 +286,7 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         sigs.restore()
         if proc is not None:
             if status is None:  # we failed (a bug): do not leave the command running unseen
-                _terminate(proc.pid)
+                terminate(proc.pid)
             for f in (proc.stdout, proc.stderr):
                 if f is not None:
                     f.close()
@@ -642,7 +309,7 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         mem_total=mem.total, min_available=mem.min_avail, min_available_t=mem.min_avail_t,
         cgroup_limit=cg_limit, cgroup_oom_kills=oom_kills, pids_seen=mem.pids_seen,
         forwarded=sigs.forwarded, killed_by_us=sigs.killed_by_us, interval=interval,
-        samples=mem.samples, log_findings=[], timeline=[], reader_gone=reader_gone, log_error=log_error,
+        samples=mem.samples, log_findings=[], timeline=[], reader_gone=pump.reader_gone, log_error=pump.log_error,
     )
     # The kernel log is read (it can take a few seconds) when the command failed or was killed, when its output
     # says a process of it was SIGKILLed (a worker, a grandchild -- whatever the command's own exit status), and
@@ -672,29 +339,6 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
                                        evidence=[analysis.error], fix=[], data={}))
     result.findings += log_findings
     return result
-
-
-def _isatty(fd: int) -> bool:
-    try:
-        return os.isatty(fd)
-    except OSError:
-        return False
-
-
-def _terminate(pid: int) -> None:
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pid, sig)
-        except OSError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0]:
-                    return
-            except ChildProcessError:
-                return
-            time.sleep(0.05)
 
 
 __all__ = ["RunResult", "WrapError", "run_command", "exit_finding", "memory_finding", "read_kernel_oom",
