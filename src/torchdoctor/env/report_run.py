@@ -39,8 +39,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from . import probe, rules
     from .bundle import uses_nvme
+    from .progress import probing
 
-    facts = probe.collect()
+    with probing("torchdoctor report"):  # stderr, and only when the probe takes over 2 s
+        facts = probe.collect()
     findings = rules.judge(facts, nvme_offload=bool(ds and uses_nvme(ds)))
     text = (dumps(to_json(facts, findings, ds, ta), indent=1) if args.json
             else render_markdown(facts, findings, ds, ta))

@@ -92,8 +92,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"torchdoctor env: --ds-config: {nvme}", file=sys.stderr)
         return EXIT_USAGE
     from . import prebuild, probe, rules
+    from .progress import probing
 
-    facts = probe.collect()
+    with probing("torchdoctor env"):  # stderr, and only when the probe takes over 2 s
+        facts = probe.collect()
     findings = rules.judge(facts, nvme_offload=nvme)
     if args.prebuild:
         print(prebuild.commands(facts, rules.recommended_arch_list(facts), nvme=nvme))
