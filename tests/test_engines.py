@@ -95,6 +95,10 @@ def test_an_unhookable_optimizer_is_a_warning_and_detection_still_holds():
 def test_accelerate_prepare_then_the_monitor(tmp_path):
     accelerate = pytest.importorskip("accelerate")
     model = mlp()
+    # an HF Trainer test earlier in the same process may have set accelerate's process-wide state
+    from accelerate.state import AcceleratorState, PartialState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
     acc = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
     prepared, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     with NumericsMonitor(prepared, optimizer=opt, report_dir=tmp_path) as mon:

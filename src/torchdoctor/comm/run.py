@@ -45,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--bench", action="store_true",
                        help="after the checks, time all_reduce, all_gather, reduce_scatter, broadcast, all_to_all")
     bench.add_argument("--sizes", default=DEFAULT_SIZES,
-                       help=f"message sizes: a list ({DEFAULT_SIZES}) or a range START:END[:FACTOR] "
-                            "(1K:64M doubles); the full tensor's bytes, as in nccl-tests")
+                       help="message sizes: a list (1K,1M,64M) or a range START:END[:FACTOR] (1K:64M doubles; "
+                            f"default {DEFAULT_SIZES}); the full tensor's bytes, as in nccl-tests")
     bench.add_argument("--iters", type=int, default=20, help="timed iterations per size (default: 20)")
     bench.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default: 5)")
     bench.add_argument("--dtype", default="float32", choices=DTYPES, help="element type (default: float32)")
