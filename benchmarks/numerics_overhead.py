@@ -15,9 +15,10 @@ What is measured, all in ONE process:
   the starting variant rotates from one repetition to the next, so machine noise (other processes on a
   shared box) lands on all variants alike. Per variant: median step time, and the median over repetitions
   of (variant step time / bare step time in the same repetition).
-* Host syncs. ``torchdoctor.syncs.SyncCounter`` (``aten._local_scalar_dense`` + ``aten.is_nonzero``)
-  around ``--steps`` steps, per step, minus the bare step's count (AdamW's CPU single-tensor path already
-  calls ``.item()`` once per parameter).
+* Host syncs and dispatched ops. ``torchdoctor.syncs.OpCounter`` (a dispatch mode) around ``--steps`` steps:
+  host syncs (``aten._local_scalar_dense`` + ``aten.is_nonzero``) and every dispatched ATen op, per step, minus
+  the bare step's (AdamW's CPU single-tensor path already calls ``.item()`` once per parameter). The ops are
+  those of the CPU's own path; ``benchmarks/numerics_dispatch.py`` also counts what an accelerator dispatches.
 * Memory, see :func:`measure_memory`: peak bytes held by torch's CPU allocator during one step, per
   variant, at two batch sizes, so one can see whether a variant's extra memory grows with the batch.
 
@@ -46,7 +47,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 from transformers.debug_utils import DebugUnderflowOverflow
 
 from torchdoctor import NumericsMonitor
-from torchdoctor.syncs import SyncCounter
+from torchdoctor.syncs import OpCounter
 
 BARE, HF = "bare", "transformers"
 LEVELS = ("none", "params", "modules")
@@ -176,11 +177,13 @@ def measure_time(runners: list[Runner], batches: list[dict], warmup: int, reps: 
         log(f"  rep {rep + 1}/{reps}: " + "  ".join(f"{r.name}={r.times[-1]:.3f}s" for r in runners))
 
 
-def measure_syncs(runner: Runner, batches: list[dict], steps: int) -> tuple[float, dict[str, int]]:
-    with SyncCounter() as counter:
+def measure_syncs(runner: Runner, batches: list[dict], steps: int) -> tuple[float, dict[str, int], float]:
+    """(host syncs per step, syncs by op, dispatched ops per step): one OpCounter counts both."""
+    with OpCounter() as counter:
         for i in range(steps):
             runner.step(batches[i % len(batches)])
-    return counter.count / steps, dict(counter.by_op)
+    syncs = {op: counter.by_op[op] for op in ("_local_scalar_dense", "is_nonzero") if counter.by_op[op]}
+    return counter.syncs / steps, syncs, counter.count / steps
 
 
 def measure_memory(name: str, base: torch.nn.Module, batches: list[dict]) -> dict[str, float]:
@@ -300,6 +303,8 @@ def summarize(runners: list[Runner], syncs: dict, memory: dict, mem_batches: lis
             "syncs_per_step": syncs[r.name][0],
             "extra_syncs_per_step": syncs[r.name][0] - syncs[BARE][0],
             "syncs_by_op": syncs[r.name][1],
+            "ops_per_step": syncs[r.name][2],
+            "extra_ops_per_step": syncs[r.name][2] - syncs[BARE][2],
             "memory": {str(b): memory[b][r.name] for b in mem_batches},
         }
     # a repetition is "disturbed" when some variant took more than 1.5x its own median there
@@ -378,7 +383,7 @@ def print_report(facts: dict, cfg: dict, res: dict, mem_batches: list[int], chec
     p("best = fastest repetition / fastest bare repetition; % of HF extra = (ratio - 1) / (HF ratio - 1)")
     head = (
         f"{'variant':36} {'median step':>11} {'ratio':>7} {'p25-p75':>13} {'best':>7} {'% of HF extra':>13} "
-        f"{'syncs/step':>10} {'extra':>6}"
+        f"{'syncs/step':>10} {'extra':>6} {'extra ops':>10}"
     )
     p(head)
     p("-" * len(head))
@@ -386,10 +391,11 @@ def print_report(facts: dict, cfg: dict, res: dict, mem_batches: list[int], chec
         r = res[name]
         pct = "" if name == BARE or r["pct_of_transformers_extra"] is None else f"{r['pct_of_transformers_extra']:.1f}%"
         extra = "" if name == BARE else f"{r['extra_syncs_per_step']:+g}"
+        ops = f"{r['ops_per_step']:.0f}" if name == BARE else f"{r['extra_ops_per_step']:+.0f}"
         p(
             f"{LABELS[name]:36} {r['median_step_s']:>10.3f}s {r['ratio_median']:>6.3f}x "
             f"{r['ratio_p25']:>6.3f}-{r['ratio_p75']:<6.3f} {r['ratio_of_min']:>6.3f}x {pct:>13} "
-            f"{r['syncs_per_step']:>10g} {extra:>6}"
+            f"{r['syncs_per_step']:>10g} {extra:>6} {ops:>10}"
         )
     p("")
     p(

@@ -52,7 +52,8 @@ class Judges(ProcessJudge, CrashJudge):
                   "errors, CUDA/compiler build failures"]
             if self._max_step is not None:
                 ev.append(f"last step seen: {self._step}" + (f" of {self._planned}" if self._planned else ""))
-            out.append(Finding("logs.clean", "ok", f"no failure signatures in {self._lines} line{'' if self._lines == 1 else 's'}", evidence=ev,
+            lines = f"{self._lines} line{'' if self._lines == 1 else 's'}"
+            out.append(Finding("logs.clean", "ok", f"no failure signatures in {lines}", evidence=ev,
                                data={"lines": self._lines, "last_step": self._step}))
         return out
 

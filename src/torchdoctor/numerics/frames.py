@@ -34,6 +34,7 @@ class ModuleInfo:
     module: weakref.ref
     is_root: bool = False
     boundary: bool = False  # the edge of a compiled region: measured eagerly around code the hooks cannot see
+    at_once: bool = False  # its outputs were seen changed in place before their window was reduced: measure at once
 
 
 @dataclass(slots=True)
@@ -136,7 +137,8 @@ def _json_float(v: float | None) -> float | str | None:
     return str(v)  # "inf", "-inf", "nan": JSON has no literals for them
 
 
-def measure(buffer: StatBuffer, label: str, value: Any, judged: bool = True, param: bool = False) -> Slot:
+def measure(buffer: StatBuffer, label: str, value: Any, judged: bool = True, param: bool = False,
+            at_once: bool = False) -> Slot:
     """Describe ``value`` as a slot, putting its statistics in ``buffer`` when it is a tensor."""
     if isinstance(value, torch.Tensor):
         value, scope = local_part(value)
@@ -144,7 +146,7 @@ def measure(buffer: StatBuffer, label: str, value: Any, judged: bool = True, par
         if reason is not None:
             scope = None if reason == ELSEWHERE else scope
             return Slot(label, kind=reason, dtype=value.dtype, scope=scope, param=param, judged=judged)
-        ref = buffer.add(value, judged)
+        ref = buffer.add(value, judged, at_once)
         return Slot(label, ref=ref, dtype=value.dtype, scope=scope, param=param, judged=judged)
     if value is None:
         return Slot(label, kind="None", judged=judged)
@@ -170,13 +172,19 @@ def measure_now(label: str, t: torch.Tensor | None, param: bool = False) -> Line
                 has_nan=has_nan)
 
 
+CHANGED_IN_PLACE = "measured after an in-place change"  # the value was changed before its window was reduced
+
+
 def _line(s: Slot, values: dict) -> Line:
     if s.ref is None:
         return Line(s.label, kind=s.kind, dtype=s.dtype, param=s.param, scope=s.scope, judged=s.judged)
     mn, mx = lookup(values, s.ref)
+    scope = s.scope
+    if values.changed and (s.ref.key, s.ref.index) in values.changed:
+        scope = f"{scope}, {CHANGED_IN_PLACE}" if scope else CHANGED_IN_PLACE
     has_inf = bool(lookup(values, s.inf_ref)[0]) if s.inf_ref is not None else None
     has_nan = bool(lookup(values, s.nan_ref)[0]) if s.nan_ref is not None else None
-    return Line(s.label, mn, mx, dtype=s.dtype, param=s.param, ref=s.ref, has_inf=has_inf, scope=s.scope,
+    return Line(s.label, mn, mx, dtype=s.dtype, param=s.param, ref=s.ref, has_inf=has_inf, scope=scope,
                 judged=s.judged, has_nan=has_nan)
 
 

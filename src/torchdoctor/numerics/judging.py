@@ -180,10 +180,9 @@ class Judging:
                 if collapsed
                 else f"{self._consecutive_overflows} steps in a row overflowed"
             )
-            report.diagnosis = (
-                f"{why}: the gradients overflow at every scale, so this is not a transient spike. "
-                + report.diagnosis
-            )
+            rest = report.diagnosis
+            report.diagnosis = (f"{why}: the gradients overflow at every scale, so this is not a transient spike. "
+                                + rest[:1].upper() + rest[1:])
             deepspeed = self._scaler is not None and self._scaler.deepspeed
             report.fix = fp16_collapse_fix(deepspeed, report.fp32_region)
             report.cause = causes.SCALE_COLLAPSE

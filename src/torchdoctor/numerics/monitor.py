@@ -11,13 +11,14 @@ Example usage::
             opt.step()        # the step is checked here, before the update is applied
             opt.zero_grad()
 
-How it stays cheap: every module's forward hook reduces its inputs and outputs to (abs min, abs max)
-on their own device (:mod:`.stats`) and keeps only a host-side description of the call
-(:mod:`.frames`, recorded by :mod:`.recording`). A tensor that was just measured as one module's output
-and comes in as the next module's input is measured once. Parameters and their gradients do not change
+How it stays cheap: every module's forward hook hands its inputs and outputs to a window on their own
+device, reduced to (abs min, abs max) per tensor a few multi-tensor ops at a time (:mod:`.stats`: well under
+one dispatched op per module), and keeps only a host-side description of the call (:mod:`.frames`, recorded
+by :mod:`.recording`). A tensor that was just measured as one module's output and comes in as the next
+module's input is measured once. Parameters and their gradients do not change
 before ``optimizer.step()``, so they are measured only when a report is built; the parameter gradients
-are checked once per step. At the step boundary everything is folded into a single on-device flag
-read with one ``.item()``.
+are checked once per step. At the step boundary (:mod:`.stepping`) everything is folded into a single
+on-device flag read with one ``.item()``.
 
 The machinery around the model is met through an *engine adapter* (:mod:`.engines`): DDP, FSDP1/FSDP2,
 accelerate and the HF Trainer, a DeepSpeed engine at any ZeRO stage. Compiled regions
@@ -58,7 +59,6 @@ import functools
 import logging
 import operator
 import os
-import sys
 import warnings
 import weakref
 from collections import deque
@@ -72,28 +72,20 @@ from .buffers import BufferGuard
 from .causes import GrowthTrail
 from .compiled import Region, Regions
 from .engines import MonitorWarning, select_engine
-from .errors import AbortAfterStep, NonFiniteError
 from .frames import ModuleInfo
 from .judging import Judging
 from .options import check_options
 from .recording import Recording
-from .report import NonFiniteReport, build_report
+from .report import NonFiniteReport
 from .scalers import LossScaler, OverflowEvent
-from .stats import all_finite, fused_check_works
+from .stats import fused_check_works, window_reduce_works
 from .step import StepRecord
+from .stepping import Stepping
 from .trace import TraceWriter
-from .verdict import share_verdict
 
 log = logging.getLogger("torchdoctor.numerics")
 
 __all__ = ["NumericsMonitor", "OverflowEvent"]
-
-EXIT_NOTE = (
-    "This step was checked as the `with NumericsMonitor(...)` block exited (nothing inside the block ended it: no "
-    "optimizer step ran -- a GradScaler that skipped it, not passed as scaler= -- and no mon.step()), so this "
-    "NonFiniteError is raised by the `with` statement itself: catch it with a try around the with block, or pass "
-    "scaler= / call mon.step() so that every step is checked inside it."
-)
 
 # Every monitored module, whichever monitor watches it: attaching twice would double every hook.
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, NumericsMonitor] = weakref.WeakKeyDictionary()
@@ -105,7 +97,7 @@ def _dist_rank_world() -> tuple[int | None, int]:
     return None, 1
 
 
-class NumericsMonitor(Recording, Judging):
+class NumericsMonitor(Recording, Stepping, Judging):
     """Watch a model for inf/nan in weights, activations and gradients; explain the first one.
 
     Args:
@@ -240,8 +232,12 @@ class NumericsMonitor(Recording, Judging):
             )
         self._infos: dict[int, ModuleInfo] = {}
         self._params = engine.trainable()
-        for device in {p.device for p in self._params if p.device.type not in ("cpu", "meta")}:
-            fused_check_works(device)  # its one host sync here, at attach time, never inside a step
+        devices = {p.device for p in self._params if p.device.type != "meta"} | {torch.device("cpu")}
+        for device in devices:  # (inputs and losses may be on the CPU when the model is not)
+            # their host syncs here, at attach time, never inside a step
+            if device.type != "cpu":
+                fused_check_works(device)
+            window_reduce_works(device)
         root_region = self._regions.root
         for name, module in modules:
             is_root = module is self.model and root_region is None
@@ -348,256 +344,7 @@ class NumericsMonitor(Recording, Judging):
         if getattr(self, "_active", False):
             self.close()
 
-    def _new_step(self, continued: bool = False) -> None:
-        self._rec = StepRecord(continued=continued)
-        if self._buffers is not None and not continued:  # a continued step keeps the snapshot of its start
-            self._buffers.start()
-
-    def _steps_end_at_forward(self) -> bool:
-        return self.optimizer is None and not self._manual and self.scaler is None
-
-    def _optimizer_hooked(self) -> bool:
-        """Is the step checked before the update (in front of the optimizer's step)?"""
-        return self.optimizer is not None and not self._manual
-
-    # ------------------------------------------------------------------ step boundaries
-    def step(self) -> None:
-        """End a training step by hand (when no optimizer was given): check it, then start the next."""
-        self._manual = True
-        self._hook_param_grads()
-        self._forward_pending = False
-        self._close_step("manual")
-
-    def on_pre_step(self, *_: Any, **__: Any) -> None:
-        """The optimizer is about to apply the step: check it first."""
-        if self._active and not self._manual:
-            self._close_step("optimizer", abort_check=False)
-            self._optimizer_stepped = True  # scaler.update() of this step has nothing left to check
-
-    def on_post_step(self, *_: Any, **__: Any) -> None:
-        if self._active and not self._manual:
-            self._check_abort_after(self.step_index - 1)
-
-    def on_scaler_update(self, *args: Any, **kwargs: Any) -> None:
-        """torch's ``scaler.update()`` (after the step or its skip), DeepSpeed's ``update_scale(overflow)``
-        (before either)."""
-        if not self._active:
-            return
-        if self._scaler is not None and self._scaler.deepspeed:
-            overflow = args[0] if args else kwargs.get("overflow", False)
-            if not overflow and self.optimizer is not None:
-                return  # the optimizer steps next: its pre-hook checks this step
-            self._close_step("skipped" if overflow and self.optimizer is not None else "scaler")
-            return
-        if self._optimizer_stepped:  # the optimizer pre-hook already checked this step
-            self._optimizer_stepped = False
-            return
-        # with an optimizer, reaching here means the scaler skipped its step; without one, it is the boundary
-        self._close_step("skipped" if self.optimizer is not None else "scaler")
-
-    def on_zero_grad(self, *_: Any, **__: Any) -> None:
-        """zero_grad() after a backward but no optimizer step: the step was skipped (by a loss scaler
-        that was not passed as ``scaler=``). Check it now, while its gradients still exist."""
-        if self._active and not self._manual and self._rec.backward_ran:
-            self._close_step("skipped")
-
-    def _close_step(self, source: str, abort_check: bool = True) -> None:
-        """Check the finished step with one host read; raise or record what went wrong."""
-        rec = self._rec
-        nothing = rec.empty and self._deferred_report is None
-        if nothing and source in ("forward", "skipped", "final") and not self._sync_ranks:
-            return  # (under DDP every rank must take part in the verdict, so no shortcut there)
-        if not rec.frames and source == "optimizer" and not self._warned_unseen:
-            self._forward_unseen()
-        judged = rec.buffer.judged_stacks()  # activations, module-level and engine-collected gradients
-        act_ok = all_finite([torch.isfinite(v).all() for v in judged.values()])
-        if self._deferred_report is not None:
-            act_ok = torch.zeros((), dtype=torch.bool)
-        # nothing ran since a reported step: gradients still there are that step's (its zero_grad() was skipped)
-        stale = rec.empty and self._just_reported
-        check_grads = self.grads != "none" and not stale and (source != "forward" or rec.backward_ran)
-        grad_flags = self._engine.grad_flags(self._params, exact=False) if check_grads else []
-        ok, self._self_bad = self._verdict(act_ok, all_finite(grad_flags + rec.stored_grad_flags()))
-        if not ok and check_grads:  # the fast gradient check can overflow on huge finite values: ask exactly
-            exact = all_finite(self._engine.grad_flags(self._params) + rec.stored_grad_flags())
-            ok, self._self_bad = self._verdict(act_ok, exact)
-        step = self.step_index
-        if step in self.trace_steps:
-            self._trace(step)
-        if ok:
-            self._consecutive_overflows = 0
-            self._growth.add(step, judged)  # a few device ops, read only when a report is built
-        else:
-            self._handle_nonfinite(step, source, check_grads)
-        self._rotate()
-        if abort_check and source != "skipped":
-            self._check_abort_after(step)
-
-    def _verdict(self, act_ok: torch.Tensor | None, grad_ok: torch.Tensor | None) -> tuple[bool, bool]:
-        """(everything finite on every rank, this rank's own values were not). The one host read of a
-        healthy step."""
-        if self._sync_ranks:
-            return share_verdict(act_ok, grad_ok)
-        both = all_finite([f for f in (act_ok, grad_ok) if f is not None])
-        ok = True if both is None else bool(both.item())
-        return ok, not ok
-
-    def _forward_unseen(self) -> None:
-        """The optimizer steps, yet no forward was recorded: was the model compiled after we attached?
-        Inside compiled code the hooks do nothing; ``module.compile()`` regions can still get their edges."""
-        self._warned_unseen = True
-        late = Regions(self.model, self.model)
-        if late:
-            late.install(self)
-            self._regions.regions += late.regions
-            log.warning("torchdoctor: the model was compiled after the monitor attached; watching the compiled "
-                        "regions' edges from the next step on")
-            return
-        warnings.warn(
-            "torchdoctor: the optimizer steps but no forward of the model was recorded. If the model was compiled "
-            "after the monitor attached (torch.compile(model)), attach it to the compiled model instead: "
-            "NumericsMonitor(torch.compile(model), ...); inside compiled code the monitor's hooks do nothing. "
-            "Gradients are still checked.", MonitorWarning, stacklevel=4,
-        )
-
-    def _rotate(self, advance: bool = True, keep: bool = True) -> None:
-        """Keep recent steps (unread, on device) as context for a report, then start a new step
-        (``advance=False``: a new record of the same step, compat's submodule-only calls)."""
-        rec = self._rec
-        rec.root_calls = []  # inputs kept for a re-run: not beyond their step
-        if rec.frames and keep:
-            rec.keep_for_context(self.max_frames)
-        if rec.frames and keep:
-            self._history.append(rec)
-            kept = 0
-            for i in range(len(self._history) - 1, -1, -1):
-                kept += len(self._history[i].frames)
-                if kept >= self.max_frames:
-                    for _ in range(i):
-                        self._history.popleft()
-                    break
-        if advance:
-            self.step_index += 1
-        self._just_reported = False
-        self._new_step(continued=not advance)
-
-    def _after_detection(self, advance: bool = False, continued: bool = False) -> int:
-        """A detection was reported: put the buffers back as the step began, forget the step and its
-        context, and go on watching (a loop that catches the error goes on). The step number stays: its
-        update was refused, so the next try is the same step (compat passes transformers' counting).
-        How many buffers were put back."""
-        restored = self._buffers.restore() if self._buffers is not None else 0
-        if self._optimizer_hooked():
-            # the update was refused and the exception skips the loop's zero_grad(): drop the refused step's
-            # gradients, or the next backward adds onto its nan and every later step is reported again
-            for p in self._params:
-                p.grad = None
-        self._history.clear()
-        self._deferred_report = None
-        self._stash = None
-        self._forward_pending = False
-        if advance:
-            self.step_index += 1
-        self._new_step(continued)
-        self._just_reported = True
-        return restored
-
-    def _check_abort_after(self, step: int) -> None:
-        if self.abort_after_step is not None and step >= self.abort_after_step:
-            self._stop()
-            raise AbortAfterStep(
-                f"torchdoctor: stopping after step {step} as asked (abort_after_step={self.abort_after_step})"
-            )
-
     def _release_modules(self) -> None:
         for module in list(_WATCHED.keys()):
             if _WATCHED.get(module) is self:
                 del _WATCHED[module]
-
-    def _stop(self) -> None:
-        """The run is over: stop checking and let a new monitor attach (inert hooks go at close())."""
-        self._active = False
-        self._release_modules()
-
-    def _finish(self, report: NonFiniteReport, reset: bool = True) -> None:
-        """Keep the report, put the buffers back, write the report to disk before anything is raised, and go on
-        watching from a fresh step. ``reset=False`` (a no-grad pass between a backward and its optimizer step):
-        the training step it interrupted is resumed as it is, still to be checked at its own boundary."""
-        self.report = report
-        if self._at_exit:
-            report.notes.append(EXIT_NOTE)
-        restored = self._after_detection() if reset else 0
-        missed = self._buffers.missed if reset and self._buffers is not None else 0
-        if missed:
-            report.notes.append(
-                f"{missed} module buffer(s) replaced since this step began (e.g. by model.double() or .to()) "
-                "could not be put back."
-            )
-        if restored:
-            report.notes.append(
-                f"{restored} module buffer(s) (e.g. BatchNorm running statistics) were put back as they were "
-                "when this step began."
-            )
-        try:
-            report.write(self.report_dir)
-        except Exception as e:  # never let a full disk (or anything else) hide the finding itself
-            report.notes.append(f"(could not write the report to {self.report_dir}: {e})")
-
-    def _raise(self, report: NonFiniteReport) -> None:
-        self._finish(report)
-        raise NonFiniteError(report)
-
-    def _trace(self, step: int) -> None:
-        self._tracer.write_step(step, self._resolved([self._rec]))
-
-    # ------------------------------------------------------------------ forwards that end a pass
-    def _on_root_forward_end(self) -> None:
-        if self._stash is not None:
-            self._close_inference_pass()
-        elif self._steps_end_at_forward():
-            if self._hf or not torch.is_grad_enabled():
-                self._close_step("forward")
-            else:  # a backward may follow: close at the next forward, step() or leaving the with block
-                self._forward_pending = True
-
-    def _on_root_forward_failed(self) -> None:
-        """The root forward raised. If a non-finite value came first, say so; else forget its frames.
-
-        torch silences exceptions raised here (the forward's own exception is re-raised), so the
-        report is written to disk, logged, and attached to that exception as a note.
-        """
-        flag = self._rec.activation_flag()
-        if flag is not None and not bool(flag.item()):
-            frames, start = self._frames_with_context()
-            report = build_report(frames, self.max_frames, self.rank, start, self._hf)
-            if report is not None:
-                self._on_failed_forward_report(report)
-                return
-        del self._rec.frames[self._forward_start :]
-        if self._stash is not None:
-            self._rec, self._stash = self._stash, None
-
-    def _on_failed_forward_report(self, report: NonFiniteReport) -> None:
-        report.notes.append("The forward then raised an exception of its own (see the traceback).")
-        self._finish(report)
-        log.error("non-finite value before the forward raised:\n%s", report.text())
-        exc = sys.exc_info()[1]
-        if exc is not None and hasattr(exc, "add_note"):
-            exc.add_note("torchdoctor: " + report.text())
-
-    def _close_inference_pass(self) -> None:
-        """Check a no-grad forward made between training steps (one host read), then resume the step."""
-        flag = self._rec.activation_flag()
-        done, self._rec, self._stash = self._rec, self._stash, None
-        if flag is not None and not bool(flag.item()):
-            report = build_report(self._resolved([done]), self.max_frames, self.rank, 0, self._hf)
-            assert report is not None
-            report.notes.append("This was a forward under torch.no_grad() (evaluation or generation).")
-            if self._sync_ranks:
-                # other ranks may be in a collective already: say it at the next shared verdict, together
-                self._deferred_report = self._deferred_report or report
-                return
-            self._finish(report, reset=False)  # the resumed training step is judged at its own boundary
-            raise NonFiniteError(report)
-
-

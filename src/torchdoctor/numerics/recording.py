@@ -98,10 +98,14 @@ class Recording:
         slots = self._measured_params.pop(id(module), []) if at_forward else []
         # transformers stops on a non-finite positional input, and only on what it sees (never on a keyword
         # input or a tensor inside a dict / ModelOutput); the monitor shows inputs as context
-        slots += [rec.slot(label, v, hf and seen, hf) for label, v, seen in visible_inputs(args, kwargs, hf)]
-        slots += [rec.slot(label, v, seen or not hf, hf) for label, v, seen in visible_outputs(output, hf)]
+        now = info.at_once
+        if hf:
+            slots += [rec.slot(lb, v, seen, True, at_once=now) for lb, v, seen in visible_inputs(args, kwargs, True)]
+            slots += [rec.slot(lb, v, seen, True, at_once=now) for lb, v, seen in visible_outputs(output, True)]
+        else:
+            slots += rec.call_slots(args, kwargs, output, now)
         first = not rec.frames and not rec.continued
-        rec.frames.append(Frame(self.step_index, FWD, info, slots, with_params=not at_forward, first_of_step=first))
+        rec.frames.append(Frame(self.step_index, FWD, info, slots, not at_forward, False, first))
         if torch.is_grad_enabled():
             if self.grads == "modules":
                 self._hook_grads(info, output)
@@ -221,7 +225,7 @@ class Recording:
             return
         rec = self._rec
         rec.backward_ran = True
-        slot = measure(rec.buffer, label, grad)
+        slot = measure(rec.buffer, label, grad, at_once=True)  # the engine moves it into its buckets right after
         last = rec.frames[-1] if rec.frames else None
         if last is not None and last.info is info and last.phase == BWD and last.slots[-1].label.startswith("grad:"):
             last.slots.append(slot)  # the module's other parameters: one frame per module

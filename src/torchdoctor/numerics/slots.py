@@ -86,6 +86,64 @@ def visible_outputs(output: Any, hf: bool = False) -> Iterator[tuple[str, Any, b
         yield from _walk(output, "output", 0, 0, hf)
 
 
+INPUT_LABELS = tuple(f"input[{i}]" for i in range(8))
+_OUTPUT_LABELS = tuple(f"output[{i}]" for i in range(8))
+_KEYWORD_LABELS: dict[str, str] = {}
+
+
+def _leaf(value: Any) -> bool:
+    return value is None or isinstance(value, (torch.Tensor, bool, int, float, str))
+
+
+def labelled_inputs(args: tuple, kwargs: Mapping[str, Any] | None) -> list[tuple[str, Any]]:
+    """``(label, value)`` of a call's arguments as :func:`visible_inputs` (not compat) gives them, the common
+    shapes (tensors, None, scalars; labels made once) without its generators: the monitor's hot path.
+
+    A keyword argument that is None or a plain flag/number/string (``attention_mask=None``, ``use_cache=False``)
+    is left out: transformers' layout never shows keywords, ours shows those that carry values to check, and a
+    T5 block's eight ``None`` keywords were a third of its lines (and of the monitor's work per call)."""
+    out = []
+    for i, a in enumerate(args):
+        out += labelled_arg(INPUT_LABELS[i] if i < 8 else f"input[{i}]", a)
+    if kwargs:
+        for k, v in kwargs.items():
+            if v is None or (_leaf(v) and not isinstance(v, torch.Tensor)):
+                continue
+            label = _KEYWORD_LABELS.get(k)
+            if label is None:
+                label = f"input[{k}]"
+                if len(_KEYWORD_LABELS) < 4096:
+                    _KEYWORD_LABELS[k] = label
+            if isinstance(v, torch.Tensor):
+                out.append((label, v))
+            else:
+                out.extend((lb, x) for lb, x, _ in _walk(v, label, 1, 0, False))
+    return out
+
+
+def labelled_arg(label: str, value: Any) -> list[tuple[str, Any]]:
+    """``(label, value)`` of one positional argument (its leaves when it is a container)."""
+    if _leaf(value):
+        return [(label, value if value is None or isinstance(value, torch.Tensor) else NOT_A_TENSOR)]
+    return [(lb, v) for lb, v, _ in _walk(value, label, 1, 0, False)]
+
+
+def labelled_outputs(output: Any) -> list[tuple[str, Any]]:
+    """``(label, value)`` of a forward's return value as :func:`visible_outputs` (not compat) gives them."""
+    if isinstance(output, torch.Tensor):
+        return [("output", output)]
+    if isinstance(output, tuple):
+        out = []
+        for i, o in enumerate(output):
+            label = _OUTPUT_LABELS[i] if i < 8 else f"output[{i}]"
+            if _leaf(o):
+                out.append((label, o if o is None or isinstance(o, torch.Tensor) else NOT_A_TENSOR))
+            else:
+                out.extend((lb, v) for lb, v, _ in _walk(o, label, 1, 1, False))
+        return out
+    return [(lb, v) for lb, v, _ in _walk(output, "output", 0, 0, False)]
+
+
 def input_slots(args: tuple, kwargs: Mapping[str, Any] | None, hf: bool = False) -> Iterator[tuple[str, Any]]:
     """Slots of a forward call's arguments: ``input[i]`` then ``input[name]`` for keywords."""
     for label, value, _ in visible_inputs(args, kwargs, hf):

@@ -9,13 +9,26 @@ current record is all it takes to keep those apart.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .frames import Frame, Slot, measure
+from .slots import INPUT_LABELS, NOT_A_TENSOR, labelled_arg, labelled_inputs, labelled_outputs
 from .stats import StatBuffer, all_finite, has_inf
+
+_NONE_SLOTS: dict[bool, dict[str, Slot]] = {True: {}, False: {}}  # label -> Slot: shared, never changed
+_OTHER_SLOTS: dict[bool, dict[str, Slot]] = {True: {}, False: {}}
+
+
+def _fixed_slot(label: str, kind: str, judged: bool) -> Slot:
+    """The one Slot of ``label`` holding a None (or a non-tensor): made once, shared by every frame."""
+    cache = (_NONE_SLOTS if kind == "None" else _OTHER_SLOTS)[judged]
+    if len(cache) > 4096:  # labels are few (input[i], output[name]); bound it anyway
+        cache.clear()
+    slot = cache[label] = Slot(label, kind=kind, judged=judged)
+    return slot
 
 
 @dataclass(eq=False)
@@ -38,24 +51,67 @@ class StepRecord:
     def empty(self) -> bool:
         return not self.frames and not self.backward_ran
 
-    def slot(self, label: str, value: Any, judged: bool = True, hf: bool = False, param: bool = False) -> Slot:
-        """Measure ``value`` once: an output passed on as the next module's input is not measured again."""
-        if param:
-            return measure(self.buffer, label, value, judged, param=True)
-        if isinstance(value, torch.Tensor) and not value.is_inference():  # no version counter there
-            key = id(value)
-            seen = self.seen.get(key)
-            if seen is not None and seen[0]() is value and seen[1] == value._version:
-                s = seen[2]
-                if s.ref is None or s.ref.judged or not judged:
-                    return Slot(label, s.ref, s.kind, s.dtype, s.inf_ref, s.scope, s.param, judged, s.nan_ref)
-            slot = self._measure(label, value, judged, hf)
-            self.seen[key] = (weakref.ref(value), value._version, slot)
-            return slot
-        return self._measure(label, value, judged, hf)
+    def slot(self, label: str, value: Any, judged: bool = True, hf: bool = False, param: bool = False,
+             at_once: bool = False) -> Slot:
+        """Measure ``value`` once: an output passed on as the next module's input is not measured again.
 
-    def _measure(self, label: str, value: Any, judged: bool, hf: bool) -> Slot:
-        slot = measure(self.buffer, label, value, judged)
+        The hot path of every hooked module (several calls per module and step): a plain dense tensor, a
+        ``None`` and a non-tensor each take the shortest way; anything else goes through :func:`~.frames.measure`.
+        """
+        if value is None:
+            return _NONE_SLOTS[judged].get(label) or _fixed_slot(label, "None", judged)
+        if not isinstance(value, torch.Tensor):
+            return _OTHER_SLOTS[judged].get(label) or _fixed_slot(label, NOT_A_TENSOR, judged)
+        if param:  # gathered for this forward only (ZeRO-3 frees it after): reduced now, never in a window
+            return measure(self.buffer, label, value, judged, param=True, at_once=True)
+        return self._tensor_slot(label, value, judged, hf, at_once)
+
+    def call_slots(self, args: tuple, kwargs: dict | None, output: Any, at_once: bool) -> list[Slot]:
+        """Every slot of one forward call (inputs as context, outputs judged), as :func:`~.slots.labelled_inputs`
+        and :func:`~.slots.labelled_outputs` label them, with the common values (tensors, None) handled inline:
+        this runs once per hooked module and call."""
+        out: list[Slot] = []
+        append = out.append
+        tensor_slot = self._tensor_slot
+        for i, a in enumerate(args):
+            label = INPUT_LABELS[i] if i < 8 else f"input[{i}]"
+            if isinstance(a, torch.Tensor):
+                append(tensor_slot(label, a, False, False, at_once))
+            elif a is None:
+                append(_NONE_SLOTS[False].get(label) or _fixed_slot(label, "None", False))
+            else:  # a scalar, a container (walked as labelled_inputs walks it)
+                out += [self.slot(lb, v, False, False, False, at_once) for lb, v in labelled_arg(label, a)]
+        if kwargs:
+            for lb, v in labelled_inputs((), kwargs):
+                append(tensor_slot(lb, v, False, False, at_once) if isinstance(v, torch.Tensor)
+                       else self.slot(lb, v, False, False, False, at_once))
+        if isinstance(output, torch.Tensor):
+            append(tensor_slot("output", output, True, False, at_once))
+        else:
+            out += [self.slot(lb, v, True, False, False, at_once) for lb, v in labelled_outputs(output)]
+        return out
+
+    def _tensor_slot(self, label: str, value: torch.Tensor, judged: bool, hf: bool, at_once: bool) -> Slot:
+        try:
+            version = value._version
+        except RuntimeError:  # an inference tensor: no version counter, so never "the same as before"
+            return self._measure(label, value, judged, hf, at_once)
+        key = id(value)
+        seen = self.seen.get(key)
+        if seen is not None and seen[1] == version and seen[0]() is value:
+            s = seen[2]
+            if s.ref is None or s.ref.judged or not judged:
+                return Slot(label, s.ref, s.kind, s.dtype, s.inf_ref, s.scope, s.param, judged, s.nan_ref)
+        if (not hf and type(value) is torch.Tensor and value.layout is torch.strided and not value.is_meta
+                and value.numel()):  # (quantized dtypes never take the window: add() checks the dtype)
+            slot = Slot(label, self.buffer.add(value, judged, at_once), None, value.dtype, None, None, False, judged)
+        else:
+            slot = self._measure(label, value, judged, hf, at_once)
+        self.seen[key] = (weakref.ref(value), version, slot)
+        return slot
+
+    def _measure(self, label: str, value: Any, judged: bool, hf: bool, at_once: bool = False) -> Slot:
+        slot = measure(self.buffer, label, value, judged, at_once=at_once)
         if hf and slot.ref is not None and (value.dtype.is_floating_point or value.dtype.is_complex):
             # transformers prints "has infs" next to "has nans" for a tensor holding both; abs max
             # cannot tell, so compat mode pays one more reduction per tensor to know
@@ -80,7 +136,10 @@ class StepRecord:
                 if self.weights is None:
                     self.weights = StatBuffer()
                 slot = per_param[id(p)] = measure(self.weights, name, p, param=True)
-            return slot if slot.label == name else replace(slot, label=name)
+            if slot.label == name:
+                return slot
+            return Slot(name, slot.ref, slot.kind, slot.dtype, slot.inf_ref, slot.scope, slot.param, slot.judged,
+                        slot.nan_ref)
 
         for f in self.frames:
             f.with_param_grads = False
@@ -89,8 +148,20 @@ class StepRecord:
                 continue
             slots = measured.get(id(module))
             if slots is None:
-                slots = measured[id(module)] = [weight_slot(n, p) for n, p in module.named_parameters(recurse=False)]
+                slots = measured[id(module)] = [weight_slot(n, p) for n, p in module._parameters.items()
+                                                if p is not None]
             f.weights = slots
+        if self.weights is not None:
+            self.weights.flush()  # now: the optimizer's update changes these weights in place
+
+    def measure_changed_at_once(self) -> None:
+        """Outputs changed in place before their window was reduced (``ReLU(inplace=True)`` after a BatchNorm,
+        ``x += residual``): their modules are measured at once from now on (this step's lines say so)."""
+        changed = self.buffer.changed
+        for f in self.frames:
+            if not f.info.at_once and any(s.ref is not None and (s.ref.key, s.ref.index) in changed
+                                          and s.label.startswith("output") for s in f.slots):
+                f.info.at_once = True
 
     def activation_flag(self) -> torch.Tensor | None:
         """One on-device "all judged statistics finite" flag (None when nothing was measured)."""

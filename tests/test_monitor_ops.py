@@ -1,0 +1,202 @@
+"""The monitor's cost in dispatched ops, and the windowed statistics that keep it low (issue 12).
+
+On an accelerator every dispatched op is host time and usually a kernel launch, so a launch-bound step pays for
+each one: the monitor must stay under one extra op per hooked module at the default level. Counted on CPU with
+``OpCounter`` (a dispatch mode); ``accelerator_path()`` makes CPU tensors take the path a GPU's take.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import t5_batch, tiny_t5
+from torchdoctor import NonFiniteError, NumericsMonitor
+from torchdoctor.numerics import stats
+from torchdoctor.numerics.stats import StatBuffer, accelerator_path, lookup, window_reduce_works
+from torchdoctor.syncs import OpCounter
+
+
+def issue_t5():
+    """The T5 of the issue's table: 4+4 layers, d_model 256, the real vocabulary."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = T5Config(d_model=256, d_ff=1024, num_layers=4, num_decoder_layers=4, num_heads=4, d_kv=64,
+                   feed_forward_proj="gated-gelu", vocab_size=32128, decoder_start_token_id=0, pad_token_id=0)
+    return T5ForConditionalGeneration(cfg).train()
+
+
+def ops_per_step(base, batch, grads: str | None) -> tuple[int, int]:
+    """(ops, host syncs) of the third training step of a fresh copy, bare (``grads=None``) or monitored."""
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step():
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    mon = NumericsMonitor(model, optimizer=opt, grads=grads) if grads else None
+    try:
+        if mon:
+            mon.__enter__()
+        step()
+        step()
+        with OpCounter() as ops:
+            step()
+    finally:
+        if mon:
+            mon.__exit__(None, None, None)
+    return ops.count, ops.syncs
+
+
+@pytest.fixture(scope="module")
+def t5_and_batch():
+    g = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(1, 32128, (4, 32), generator=g),
+             "labels": torch.randint(1, 32128, (4, 16), generator=g)}
+    return issue_t5(), batch
+
+
+def test_accelerator_path_dispatches_under_one_op_per_module_on_the_issues_t5(t5_and_batch):
+    base, batch = t5_and_batch
+    modules = sum(1 for _ in base.modules())  # 199, every one hooked
+    with accelerator_path():
+        bare, bare_syncs = ops_per_step(base, batch, None)
+        extra = {level: [x - y for x, y in zip(ops_per_step(base, batch, level), (bare, bare_syncs))]
+                 for level in ("none", "params", "modules")}
+    # was +583 / +785 / +1271 ops: three dispatches per measured tensor (detach, abs, aminmax)
+    assert extra["params"][0] <= modules, extra
+    assert extra["none"][0] <= modules, extra
+    assert extra["modules"][0] <= 2 * modules, extra
+    assert all(syncs <= 1 for _, syncs in extra.values()), extra
+
+
+def test_cpu_path_on_small_tensors_stays_under_one_op_per_module():
+    # the issue's host-cost T5 (d_model 32, 4+4 layers, vocab 128, batch 1, 8/8 tokens): every tensor small, so
+    # the CPU's own path (tensors of one shape stacked) reduces them all in windows
+    base = tiny_t5(num_layers=4, num_decoder_layers=4, vocab_size=128, feed_forward_proj="relu").train()
+    batch = t5_batch(batch=1, src=8, tgt=8)
+    modules = sum(1 for _ in base.modules())
+    bare, _ = ops_per_step(base, batch, None)
+    params, syncs = ops_per_step(base, batch, "params")
+    assert params - bare <= modules
+    assert syncs <= 1 + ops_per_step(base, batch, None)[1]
+
+
+def _reference(t: torch.Tensor) -> tuple[float, float]:
+    a = t.detach().double().abs()
+    return a.min().item(), a.max().item()
+
+
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+def test_windows_give_every_tensor_its_own_exact_statistics(path):
+    assert window_reduce_works(torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    tensors = []
+    for i in range(150):  # several windows, shapes repeated (stacked on CPU) and unique, dtypes mixed
+        shape = [(3, 4), (7,), (2, 3, 5), ()][i % 4] if i % 5 else (i + 1,)
+        dtype = [torch.float32, torch.float16, torch.bfloat16, torch.float64][i % 4]
+        t = (torch.randn(shape, generator=g) * 10 ** (i % 7 - 3)).to(dtype)
+        if i % 17 == 3:
+            t.view(-1)[0] = float("nan")
+        if i % 23 == 5 or i == 7:
+            t.view(-1)[-1] = -float("inf")
+        tensors.append(t)
+    tensors += [torch.randn(50_000, generator=g), torch.arange(-5, 5), torch.tensor([True, False])]
+    with accelerator_path() if path == "accelerator" else _nothing():
+        buf = StatBuffer()
+        refs = [buf.add(t) for t in tensors]
+        values = buf.read()
+    for t, ref in zip(tensors, refs):
+        got, want = lookup(values, ref), _reference(t)
+        for a, b in zip(got, want):
+            assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6), (t, got, want)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_window_never_keeps_more_than_its_bound_alive():
+    window_reduce_works(torch.device("cpu"))
+    buf = StatBuffer()
+    for _ in range(3 * stats.WINDOW_TENSORS):
+        buf.add(torch.ones(8))
+        group = next(iter(buf._groups.values()))
+        assert len(group.pending) < stats.WINDOW_TENSORS
+        assert group.pending_elements < stats.WINDOW_ELEMENTS
+
+
+class CapturesBatchNorm(torch.nn.Module):
+    """BatchNorm then ReLU(inplace=True): the ReLU changes the BatchNorm's output in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.act = torch.nn.ReLU(inplace=True)
+        self.out = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.out(self.act(self.bn(self.lin(x))))
+
+
+def test_an_output_changed_in_place_is_labelled_then_measured_at_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model = CapturesBatchNorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before_relu = []
+    model.bn.register_forward_hook(lambda m, a, out: before_relu.append(out.detach().abs().max().item()))
+    with NumericsMonitor(model, optimizer=opt, trace_steps=[0, 2]) as mon:
+        for _ in range(3):
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert mon._infos[id(model.bn)].at_once and not mon._infos[id(model.lin)].at_once
+    trace = [json.loads(x) for x in Path("torchdoctor-trace-rank0.jsonl").read_text().splitlines()]
+    bn = {f["step"]: f for f in trace if f["module"] == "bn" and f["phase"] == "fwd"}
+    out0 = next(s for s in bn[0]["slots"] if s["slot"] == "output")
+    assert out0.get("scope") == "measured after an in-place change"  # step 0: said, not hidden
+    out2 = next(s for s in bn[2]["slots"] if s["slot"] == "output")
+    assert "scope" not in out2 and out2["abs_max"] == pytest.approx(before_relu[2], rel=1e-6)
+
+
+def test_a_nan_behind_an_in_place_relu_is_still_found_at_its_module():
+    torch.manual_seed(0)
+    model = CapturesBatchNorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with NumericsMonitor(model, optimizer=opt), pytest.raises(NonFiniteError) as exc:
+        for step in range(3):
+            x = torch.randn(8, 4)
+            if step == 2:
+                model.bn.weight.data[0] = float("inf")  # inf * 0-centred -> nan, and -inf that ReLU zeroes
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert exc.value.first.module in ("bn", "lin") and exc.value.first.step == 2
+
+
+def test_keyword_nones_are_not_lines_but_keyword_tensors_are(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    class Kw(torch.nn.Module):
+        def forward(self, x, mask=None, bias=None, use_cache=False):
+            return x * 2 + (bias if bias is not None else 0)
+
+    model = Kw()
+    with NumericsMonitor(model, trace_steps=[0]):
+        model(torch.ones(2), mask=None, bias=torch.ones(2), use_cache=True)
+    frame = json.loads(Path("torchdoctor-trace-rank0.jsonl").read_text().splitlines()[0])
+    assert [s["slot"] for s in frame["slots"]] == ["input[0]", "input[bias]", "output"]
