@@ -200,3 +200,19 @@ def test_keyword_nones_are_not_lines_but_keyword_tensors_are(tmp_path, monkeypat
         model(torch.ones(2), mask=None, bias=torch.ones(2), use_cache=True)
     frame = json.loads(Path("torchdoctor-trace-rank0.jsonl").read_text().splitlines()[0])
     assert [s["slot"] for s in frame["slots"]] == ["input[0]", "input[bias]", "output"]
+
+
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+def test_a_tensor_freed_while_it_waits_never_breaks_the_window(path):
+    window_reduce_works(torch.device("cpu"))
+    with accelerator_path() if path == "accelerator" else _nothing():
+        buf = StatBuffer()
+        kept = [torch.full((3, 4), float(i + 1)) for i in range(5)]
+        freed = torch.ones(3, 4)
+        refs = [buf.add(t) for t in kept[:2]] + [buf.add(freed)] + [buf.add(t) for t in kept[2:]]
+        freed.untyped_storage().resize_(0)  # as an engine reusing a buffer would
+        values = buf.read()
+        flags = buf.finite_flags()
+    assert (refs[2].key, refs[2].index) in values.lost
+    assert [lookup(values, r) for i, r in enumerate(refs) if i != 2] == [(float(i + 1),) * 2 for i in range(5)]
+    assert all(bool(f) for f in flags)  # no statistics is not "non-finite"

@@ -178,6 +178,8 @@ CHANGED_IN_PLACE = "measured after an in-place change"  # the value was changed 
 def _line(s: Slot, values: dict) -> Line:
     if s.ref is None:
         return Line(s.label, kind=s.kind, dtype=s.dtype, param=s.param, scope=s.scope, judged=s.judged)
+    if values.lost and (s.ref.key, s.ref.index) in values.lost:
+        return Line(s.label, kind="freed", dtype=s.dtype, param=s.param, scope=s.scope, judged=s.judged)
     mn, mx = lookup(values, s.ref)
     scope = s.scope
     if values.changed and (s.ref.key, s.ref.index) in values.changed:

@@ -87,7 +87,7 @@ def visible_outputs(output: Any, hf: bool = False) -> Iterator[tuple[str, Any, b
 
 
 INPUT_LABELS = tuple(f"input[{i}]" for i in range(8))
-_OUTPUT_LABELS = tuple(f"output[{i}]" for i in range(8))
+OUTPUT_LABELS = tuple(f"output[{i}]" for i in range(8))
 _KEYWORD_LABELS: dict[str, str] = {}
 
 
@@ -135,7 +135,7 @@ def labelled_outputs(output: Any) -> list[tuple[str, Any]]:
     if isinstance(output, tuple):
         out = []
         for i, o in enumerate(output):
-            label = _OUTPUT_LABELS[i] if i < 8 else f"output[{i}]"
+            label = OUTPUT_LABELS[i] if i < 8 else f"output[{i}]"
             if _leaf(o):
                 out.append((label, o if o is None or isinstance(o, torch.Tensor) else NOT_A_TENSOR))
             else:

@@ -179,6 +179,7 @@ class StatValues(dict):
 
     rows: dict
     changed: frozenset = frozenset()
+    lost: frozenset = frozenset()
 
 
 class _Group:
@@ -245,13 +246,14 @@ class StatBuffer:
     is looked up on the host, in a report only.
     """
 
-    __slots__ = ("_groups", "_stacked", "_id", "changed")
+    __slots__ = ("_groups", "_stacked", "_id", "changed", "lost")
 
     def __init__(self) -> None:
         self._groups: dict[GroupKey, _Group] = {}
         self._stacked: dict[GroupKey, torch.Tensor] | None = None
         self._id = next(_BUFFER_IDS)
         self.changed: set[tuple[GroupKey, int]] = set()  # measured after an in-place change
+        self.lost: set[tuple[GroupKey, int]] = set()  # freed before its window was reduced: no statistics
 
     def _group(self, key: GroupKey) -> _Group:
         group = self._groups.get(key)
@@ -293,10 +295,42 @@ class StatBuffer:
         return StatRef(key, entry, self._id)
 
     def _reduce(self, key: GroupKey, group: _Group) -> None:
-        """Reduce one group's window (see the module docstring for the two ways)."""
+        """Reduce one group's window (see the module docstring for the two ways). A tensor whose storage was
+        freed while it waited (``storage().resize_(0)``, as FSDP frees unsharded parameters: a module may return
+        a view of one) gets no statistics -- its data pointer is null, reading it would crash -- and if the
+        multi-tensor ops fail anyway, the others are reduced one by one: never an exception into the run."""
         pending, group.pending, group.pending_elements = group.pending, [], 0
+        if not all(t.data_ptr() for _, t, _ in pending):
+            for entry, t, _ in pending:
+                if not t.data_ptr():
+                    self.lost.add((key, entry))
+                    zero = torch.zeros((), dtype=key[2], device=key[1])
+                    group.pairs += (zero, zero)
+                    group.pair_order.append(entry)
+            pending = [item for item in pending if item[1].data_ptr()]
+            if not pending:
+                return
+        pieces, order, pairs, pair_order = len(group.pieces), len(group.order), len(group.pairs), len(group.pair_order)
+        try:
+            self._reduce_window(group, pending)
+        except Exception:  # undo what the window added, then one by one
+            del group.pieces[pieces:], group.order[order:], group.pairs[pairs:], group.pair_order[pair_order:]
+            with torch.no_grad():
+                for entry, t, _ in pending:
+                    try:
+                        mn, mx = abs_min_max(t)
+                    except Exception:
+                        self.lost.add((key, entry))
+                        mn = mx = torch.zeros((), dtype=key[2], device=key[1])
+                    group.pairs += (mn, mx)
+                    group.pair_order.append(entry)
+        for entry, t, version in pending:
+            if version != -1 and t._version != version:
+                self.changed.add((key, entry))
+
+    def _reduce_window(self, group: _Group, pending: list) -> None:
         with torch.no_grad():
-            if key[1].type == "cpu" and _cpu_stacks[0]:
+            if pending[0][1].device.type == "cpu" and _cpu_stacks[0]:
                 by_shape: dict[torch.Size, list] = {}
                 for item in pending:
                     by_shape.setdefault(item[1].shape, []).append(item)
@@ -307,7 +341,6 @@ class StatBuffer:
                     else:
                         group.pieces.append(_reduce_stacked([t for _, t, _ in items]))
                         group.order.extend(entry for entry, _, _ in items)
-                pending = [item for items in by_shape.values() if len(items) > 1 for item in items] + single
                 for entry, t, _ in single:  # (a CPU multi-tensor op costs as much per tensor)
                     mn, mx = abs_min_max(t)
                     group.pairs += (mn, mx)
@@ -315,9 +348,6 @@ class StatBuffer:
             else:
                 group.pieces.append(_reduce_foreach([t for _, t, _ in pending]))
                 group.order.extend(entry for entry, _, _ in pending)
-        for entry, t, version in pending:
-            if version != -1 and t._version != version:
-                self.changed.add((key, entry))
 
     def flush(self) -> None:
         """Reduce every waiting window."""
@@ -359,6 +389,7 @@ class StatBuffer:
         values = StatValues({key: v.detach().cpu().double().tolist() for key, v in stacked.items()})
         values.rows = {key: group.rows() for key, group in self._groups.items()}
         values.changed = frozenset(self.changed)
+        values.lost = frozenset(self.lost)
         return values
 
 

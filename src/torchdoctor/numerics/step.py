@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .frames import Frame, Slot, measure
-from .slots import INPUT_LABELS, NOT_A_TENSOR, labelled_arg, labelled_inputs, labelled_outputs
+from .slots import INPUT_LABELS, NOT_A_TENSOR, OUTPUT_LABELS, labelled_arg, labelled_inputs, labelled_outputs
 from .stats import StatBuffer, all_finite, has_inf
 
 _NONE_SLOTS: dict[bool, dict[str, Slot]] = {True: {}, False: {}}  # label -> Slot: shared, never changed
@@ -87,6 +87,15 @@ class StepRecord:
                        else self.slot(lb, v, False, False, False, at_once))
         if isinstance(output, torch.Tensor):
             append(tensor_slot("output", output, True, False, at_once))
+        elif type(output) is tuple and len(output) <= 8:  # (a T5 block: hidden states, position bias, None...)
+            for label, o in zip(OUTPUT_LABELS, output):
+                if isinstance(o, torch.Tensor):
+                    append(tensor_slot(label, o, True, False, at_once))
+                elif o is None:
+                    append(_NONE_SLOTS[True].get(label) or _fixed_slot(label, "None", True))
+                else:
+                    out += [self.slot(lb, v, True, False, False, at_once) for lb, v in labelled_outputs((o,))
+                            for lb in (label + lb[len("output[0]"):],)]
         else:
             out += [self.slot(lb, v, True, False, False, at_once) for lb, v in labelled_outputs(output)]
         return out
