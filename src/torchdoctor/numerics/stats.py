@@ -45,6 +45,7 @@ CHUNK_ELEMENTS = 1 << 20
 WINDOW_TENSORS = 256
 WINDOW_ELEMENTS = CHUNK_ELEMENTS
 _WINDOW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 _FLOAT8 = tuple(
     getattr(torch, name)
@@ -267,7 +268,10 @@ class StatBuffer:
         dtype = t.dtype
         device = t.device
         n = t.numel()
-        if not at_once and dtype in _WINDOW_DTYPES and n <= _window_max.get(device, 0):
+        # (a tensor subclass -- an AsyncCollectiveTensor from tensor parallelism, a wrapper -- is reduced at once:
+        # it may have no storage of its own and waits on a collective when first read)
+        if (not at_once and dtype in _WINDOW_DTYPES and n <= _window_max.get(device, 0)
+                and type(t) in _PLAIN_TYPES):
             key = (judged, device, dtype)
             group = self._groups.get(key) or self._group(key)
             entry = group.count
