@@ -216,3 +216,109 @@ def test_a_tensor_freed_while_it_waits_never_breaks_the_window(path):
     assert (refs[2].key, refs[2].index) in values.lost
     assert [lookup(values, r) for i, r in enumerate(refs) if i != 2] == [(float(i + 1),) * 2 for i in range(5)]
     assert all(bool(f) for f in flags)  # no statistics is not "non-finite"
+
+
+def test_a_freed_view_at_an_offset_is_lost_not_read():
+    window_reduce_works(torch.device("cpu"))
+    base = torch.randn(64)
+    a, b = base[:16], base[16:32]  # b's data pointer is not null once the storage is freed: the storage's is
+    buf = StatBuffer()
+    refs = [buf.add(a), buf.add(b), buf.add(torch.full((4,), 2.0))]
+    base.untyped_storage().resize_(0)  # as FSDP frees an unsharded flat parameter
+    values = buf.read()
+    assert {(r.key, r.index) for r in refs[:2]} <= values.lost and lookup(values, refs[2]) == (2.0, 2.0)
+
+
+def test_the_loops_own_in_place_masking_after_the_forward_is_not_the_models_output():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with NumericsMonitor(model, optimizer=opt) as mon:
+        for _ in range(3):
+            logits = model(torch.randn(4, 8))
+            logits[:, 0] = float("-inf")  # banned tokens, outside the model: the loss stays finite
+            torch.nn.functional.cross_entropy(logits, torch.randint(1, 5, (4,))).backward()
+            opt.step()
+            opt.zero_grad()
+        assert mon.step_index == 3
+
+
+class MasksAChildsOutput(torch.nn.Module):
+    """The parent masks a child's output in place (attention scores -> -inf) before using it."""
+
+    def __init__(self):
+        super().__init__()
+        self.score = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        s = self.score(x)
+        s.masked_fill_(torch.eye(4, dtype=torch.bool)[: len(x)], float("-inf"))
+        return torch.softmax(s, -1).sum(-1, keepdim=True) * x
+
+
+def test_an_in_place_mask_by_the_code_around_a_module_never_stops_the_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model = MasksAChildsOutput()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with NumericsMonitor(model, optimizer=opt, trace_steps=[0]) as mon:
+        for _ in range(3):
+            model(torch.randn(4, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert mon.step_index == 3 and mon._infos[id(model.score)].at_once
+    trace = [json.loads(x) for x in Path("torchdoctor-trace-rank0.jsonl").read_text().splitlines()]
+    out = next(s for f in trace if f["module"] == "score" for s in f["slots"] if s["slot"] == "output")
+    assert out["abs_max"] == "inf" and out["scope"] == "measured after an in-place change"  # shown, not judged
+
+
+def test_quantized_and_functorch_values_never_raise_into_the_run():
+    class Quant(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.q = torch.ao.nn.quantized.Quantize(0.1, 0, torch.quint8)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return self.q(y).dequantize().sum() + y.sum()
+
+    model = Quant()
+    with NumericsMonitor(model) as mon:
+        for _ in range(2):
+            model(torch.randn(3, 4)).backward()
+            mon.step()
+    from torch.func import functional_call, grad
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    with NumericsMonitor(net, grads="none") as mon:
+        for _ in range(2):
+            g = grad(lambda p, x: functional_call(net, p, (x.unsqueeze(0),)).sum())(params, torch.randn(4))
+            mon.step()
+    assert set(g) == set(params)
+
+
+def test_compat_prints_an_output_as_returned_even_when_changed_in_place_later():
+    import contextlib
+    import io
+
+    from transformers.debug_utils import DebugUnderflowOverflow as Theirs
+
+    from torchdoctor.compat import DebugUnderflowOverflow as Ours
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    printed = {}
+    for cls in (Theirs, Ours):
+        m = copy.deepcopy(model)
+        cls(m, trace_batch_nums=[0, 1])
+        for call in range(2):
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                m(x)
+            lines = buf.getvalue().splitlines()
+            i = next(i for i, line in enumerate(lines) if line.strip() == "0 Linear")
+            printed[cls, call] = [line for line in lines[i:i + 5] if "output" in line]
+    assert printed[Ours, 0] == printed[Theirs, 0] and printed[Ours, 1] == printed[Theirs, 1]

@@ -181,13 +181,13 @@ def _line(s: Slot, values: dict) -> Line:
     if values.lost and (s.ref.key, s.ref.index) in values.lost:
         return Line(s.label, kind="freed", dtype=s.dtype, param=s.param, scope=s.scope, judged=s.judged)
     mn, mx = lookup(values, s.ref)
-    scope = s.scope
-    if values.changed and (s.ref.key, s.ref.index) in values.changed:
-        scope = f"{scope}, {CHANGED_IN_PLACE}" if scope else CHANGED_IN_PLACE
+    scope, judged = s.scope, s.judged
+    if values.changed and (s.ref.key, s.ref.index) in values.changed:  # not what the module returned: context
+        scope, judged = (f"{scope}, {CHANGED_IN_PLACE}" if scope else CHANGED_IN_PLACE), False
     has_inf = bool(lookup(values, s.inf_ref)[0]) if s.inf_ref is not None else None
     has_nan = bool(lookup(values, s.nan_ref)[0]) if s.nan_ref is not None else None
     return Line(s.label, mn, mx, dtype=s.dtype, param=s.param, ref=s.ref, has_inf=has_inf, scope=scope,
-                judged=s.judged, has_nan=has_nan)
+                judged=judged, has_nan=has_nan)
 
 
 def resolve(frames: list[Frame], values: dict, weight_values: dict | None = None) -> list[ResolvedFrame]:

@@ -181,6 +181,7 @@ class StatValues(dict):
     rows: dict
     changed: frozenset = frozenset()
     lost: frozenset = frozenset()
+    moved: dict = {}  # noqa: RUF012 -- replaced per instance by read()
 
 
 class _Group:
@@ -247,7 +248,7 @@ class StatBuffer:
     is looked up on the host, in a report only.
     """
 
-    __slots__ = ("_groups", "_stacked", "_id", "changed", "lost")
+    __slots__ = ("_groups", "_stacked", "_id", "changed", "lost", "moved")
 
     def __init__(self) -> None:
         self._groups: dict[GroupKey, _Group] = {}
@@ -255,6 +256,7 @@ class StatBuffer:
         self._id = next(_BUFFER_IDS)
         self.changed: set[tuple[GroupKey, int]] = set()  # measured after an in-place change
         self.lost: set[tuple[GroupKey, int]] = set()  # freed before its window was reduced: no statistics
+        self.moved: dict[tuple[GroupKey, int], StatRef] = {}  # changed in place: judged entry -> its context copy
 
     def _group(self, key: GroupKey) -> _Group:
         group = self._groups.get(key)
@@ -271,16 +273,12 @@ class StatBuffer:
         # (a tensor subclass -- an AsyncCollectiveTensor from tensor parallelism, a wrapper -- is reduced at once:
         # it may have no storage of its own and waits on a collective when first read)
         if (not at_once and dtype in _WINDOW_DTYPES and n <= _window_max.get(device, 0)
-                and type(t) in _PLAIN_TYPES):
+                and type(t) in _PLAIN_TYPES and not t.is_inference()):  # (no version counter to watch there)
             key = (judged, device, dtype)
             group = self._groups.get(key) or self._group(key)
             entry = group.count
             group.count = entry + 1
-            try:
-                version = t._version
-            except RuntimeError:  # an inference tensor has no version counter (and cannot change outside it)
-                version = -1
-            group.pending.append((entry, t, version))
+            group.pending.append((entry, t, t._version))
             group.pending_elements += n
             if len(group.pending) >= WINDOW_TENSORS or group.pending_elements >= WINDOW_ELEMENTS:
                 self._reduce(key, group)
@@ -299,38 +297,69 @@ class StatBuffer:
         return StatRef(key, entry, self._id)
 
     def _reduce(self, key: GroupKey, group: _Group) -> None:
-        """Reduce one group's window (see the module docstring for the two ways). A tensor whose storage was
-        freed while it waited (``storage().resize_(0)``, as FSDP frees unsharded parameters: a module may return
-        a view of one) gets no statistics -- its data pointer is null, reading it would crash -- and if the
-        multi-tensor ops fail anyway, the others are reduced one by one: never an exception into the run."""
+        """Reduce one group's window (see the module docstring for the two ways). Never an exception into the run:
+
+        * a tensor changed in place since it was added holds a value its module did not return: it is measured
+          as *context* (moved to the group's unjudged twin, ``moved``), never judged, so that an in-place
+          ``masked_fill_(-inf)`` by the code around a module cannot stop a healthy run;
+        * a tensor whose storage was freed while it waited (``storage().resize_(0)``, as FSDP frees unsharded
+          parameters, a module may return a view of one) gets no statistics (``lost``): reading it would crash;
+        * if the multi-tensor ops fail anyway (a functorch wrapper read after its transform), one by one.
+        """
         pending, group.pending, group.pending_elements = group.pending, [], 0
-        if not all(t.data_ptr() for _, t, _ in pending):
-            for entry, t, _ in pending:
-                if not t.data_ptr():
-                    self.lost.add((key, entry))
-                    zero = torch.zeros((), dtype=key[2], device=key[1])
-                    group.pairs += (zero, zero)
-                    group.pair_order.append(entry)
-            pending = [item for item in pending if item[1].data_ptr()]
-            if not pending:
-                return
+        keep = []
+        for item in pending:
+            entry, t, version = item
+            try:
+                freed = not t.untyped_storage().data_ptr()
+                changed = t._version != version
+            except Exception:  # no storage of its own (a functorch wrapper): measured one by one below
+                freed = changed = False
+            if freed:
+                self._set_lost(key, group, entry)
+            elif changed:
+                self.changed.add((key, entry))
+                if key[0]:  # judged: measure it as context instead
+                    self._move(key, group, entry, t)
+                else:
+                    keep.append(item)
+            else:
+                keep.append(item)
+        if not keep:
+            return
         pieces, order, pairs, pair_order = len(group.pieces), len(group.order), len(group.pairs), len(group.pair_order)
         try:
-            self._reduce_window(group, pending)
+            self._reduce_window(group, keep)
         except Exception:  # undo what the window added, then one by one
             del group.pieces[pieces:], group.order[order:], group.pairs[pairs:], group.pair_order[pair_order:]
             with torch.no_grad():
-                for entry, t, _ in pending:
+                for entry, t, _ in keep:
                     try:
                         mn, mx = abs_min_max(t)
                     except Exception:
-                        self.lost.add((key, entry))
-                        mn = mx = torch.zeros((), dtype=key[2], device=key[1])
+                        self._set_lost(key, group, entry)
+                        continue
                     group.pairs += (mn, mx)
                     group.pair_order.append(entry)
-        for entry, t, version in pending:
-            if version != -1 and t._version != version:
-                self.changed.add((key, entry))
+
+    def _set_lost(self, key: GroupKey, group: _Group, entry: int) -> None:
+        self.lost.add((key, entry))
+        zero = torch.zeros((), dtype=key[2], device=key[1])
+        group.pairs += (zero, zero)
+        group.pair_order.append(entry)
+
+    def _move(self, key: GroupKey, group: _Group, entry: int, t: torch.Tensor) -> None:
+        """A judged entry whose value changed in place: zeros where it was judged, its statistics as context."""
+        zero = torch.zeros((), dtype=key[2], device=key[1])
+        group.pairs += (zero, zero)
+        group.pair_order.append(entry)
+        try:
+            with torch.no_grad():
+                mn, mx = abs_min_max(t)
+        except Exception:
+            self.lost.add((key, entry))
+            return
+        self.moved[(key, entry)] = self._put((False, mx.device, mx.dtype), mn, mx)
 
     def _reduce_window(self, group: _Group, pending: list) -> None:
         with torch.no_grad():
@@ -355,7 +384,7 @@ class StatBuffer:
 
     def flush(self) -> None:
         """Reduce every waiting window."""
-        for key, group in self._groups.items():
+        for key, group in list(self._groups.items()):  # (a reduction may add a context group)
             if group.pending:
                 self._reduce(key, group)
 
@@ -394,6 +423,7 @@ class StatBuffer:
         values.rows = {key: group.rows() for key, group in self._groups.items()}
         values.changed = frozenset(self.changed)
         values.lost = frozenset(self.lost)
+        values.moved = dict(self.moved)
         return values
 
 
@@ -569,6 +599,7 @@ def all_finite(flags: list[torch.Tensor]) -> torch.Tensor | None:
 
 def lookup(values: StatValues, ref: StatRef) -> tuple[float, float]:
     """(abs min, abs max) of one entry, from a host copy."""
+    ref = values.moved.get((ref.key, ref.index), ref)
     row = values.rows[ref.key][ref.index]
     group = values[ref.key]
     return group[2 * row], group[2 * row + 1]

@@ -112,7 +112,7 @@ class StepRecord:
             if s.ref is None or s.ref.judged or not judged:
                 return Slot(label, s.ref, s.kind, s.dtype, s.inf_ref, s.scope, s.param, judged, s.nan_ref)
         if (not hf and type(value) is torch.Tensor and value.layout is torch.strided and not value.is_meta
-                and value.numel()):  # (quantized dtypes never take the window: add() checks the dtype)
+                and not value.is_quantized and value.numel()):
             slot = Slot(label, self.buffer.add(value, judged, at_once), None, value.dtype, None, None, False, judged)
         else:
             slot = self._measure(label, value, judged, hf, at_once)
@@ -120,7 +120,9 @@ class StepRecord:
         return slot
 
     def _measure(self, label: str, value: Any, judged: bool, hf: bool, at_once: bool = False) -> Slot:
-        slot = measure(self.buffer, label, value, judged, at_once=at_once)
+        # compat mode measures at once: transformers reads each value as its module returns it, and parity with
+        # it (a later in-place change must not show) is that surface's point
+        slot = measure(self.buffer, label, value, judged, at_once=at_once or hf)
         if hf and slot.ref is not None and (value.dtype.is_floating_point or value.dtype.is_complex):
             # transformers prints "has infs" next to "has nans" for a tensor holding both; abs max
             # cannot tell, so compat mode pays one more reduction per tensor to know
@@ -174,7 +176,10 @@ class StepRecord:
 
     def activation_flag(self) -> torch.Tensor | None:
         """One on-device "all judged statistics finite" flag (None when nothing was measured)."""
-        return all_finite(self.buffer.finite_flags())
+        flags = self.buffer.finite_flags()
+        if self.buffer.changed:
+            self.measure_changed_at_once()
+        return all_finite(flags)
 
     def stored_grad_flags(self) -> list[torch.Tensor]:
         """Flags taken when backwards ended, unless those very gradients are still there (then the

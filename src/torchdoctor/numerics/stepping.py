@@ -239,6 +239,9 @@ class Stepping:
 
     # ------------------------------------------------------------------ forwards that end a pass
     def _on_root_forward_end(self) -> None:
+        # the model's outputs are measured before the code after the forward can change them in place
+        # (logits[:, 0] = -inf before the loss): a window must never hold them into user code
+        self._rec.buffer.flush()
         if self._stash is not None:
             self._close_inference_pass()
         elif self._steps_end_at_forward():
