@@ -12,7 +12,7 @@ mid-size model's step is launch-bound, so the monitor's ops *are* its cost there
 * Ops. ``torchdoctor.syncs.OpCounter`` (a ``TorchDispatchMode``) counts every op of the third training step of
   the T5 of issue 12 (4+4 layers, d_model 256, vocab 32128, batch 4, 32/16 tokens, SGD), bare and at each
   level, twice: as the CPU reduces (tensors above 16K elements one by one: on a CPU that is faster per element)
-  and as an accelerator reduces (``stats.accelerator_path()``: every window through the multi-tensor ops).
+  and as an accelerator reduces (``windows.accelerator_path()``: every window through the multi-tensor ops).
 * Host cost. A tiny T5 (d_model 32, d_ff 64, 4+4 layers, 2 heads, d_kv 16, vocab 128, batch 1, 8/8 tokens, SGD,
   one thread), where compute is negligible: the CPU picture of a launch-bound GPU step. Bare, each level,
   transformers' ``DebugUnderflowOverflow``, and two floors (a no-op forward hook on every module; one
@@ -37,7 +37,7 @@ from transformers.debug_utils import DebugUnderflowOverflow
 from torchdoctor import NumericsMonitor
 
 try:
-    from torchdoctor.numerics.stats import accelerator_path
+    from torchdoctor.numerics.windows import accelerator_path
 except ImportError:  # a torchdoctor from before the windows: one path, the same on every device
     accelerator_path = contextlib.nullcontext
 from torchdoctor.syncs import OpCounter

@@ -17,8 +17,8 @@ import torch
 
 from conftest import t5_batch, tiny_t5
 from torchdoctor import NonFiniteError, NumericsMonitor
-from torchdoctor.numerics import stats
-from torchdoctor.numerics.stats import StatBuffer, accelerator_path, lookup, window_reduce_works
+from torchdoctor.numerics import windows as stats
+from torchdoctor.numerics.windows import StatBuffer, accelerator_path, lookup, window_reduce_works
 from torchdoctor.syncs import OpCounter
 
 

@@ -84,7 +84,7 @@ class GrowthTrail:
         self._peaks: deque[tuple[int, torch.Tensor]] = deque(maxlen=size)
 
     def add(self, step: int, stacked: dict) -> None:
-        """``stacked``: a step's judged groups (:meth:`~.stats.StatBuffer.judged_stacks`: abs min, abs max
+        """``stacked``: a step's judged groups (:meth:`~.windows.StatBuffer.judged_stacks`: abs min, abs max
         interleaved). A few tiny device ops per group, no host sync."""
         peaks = []
         for (judged, _device, dtype), values in stacked.items():

@@ -3,7 +3,7 @@
 A *frame* is one module call in one phase (``fwd``, ``bwd``) or one ``mark``: the module's qualified
 name and class plus its *slots* (``weight``, ``input[0]``, ``output``, ``grad_output[0]``,
 ``grad:weight``). During a step only the host-side description is kept here; the numbers stay on the
-device in a :class:`~torchdoctor.numerics.stats.StatBuffer` and are joined with the frames only when a
+device in a :class:`~torchdoctor.numerics.windows.StatBuffer` and are joined with the frames only when a
 report or a trace is built (:mod:`torchdoctor.numerics.render`).
 
 Parameters and parameter gradients do not change between the forward and ``optimizer.step()``, so
@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from .slots import NOT_A_TENSOR
-from .stats import ELSEWHERE, StatBuffer, StatRef, abs_min_max, has_inf, local_part, lookup, shard_skip_reason
+from .stats import ELSEWHERE, abs_min_max, has_inf, local_part, shard_skip_reason
+from .windows import StatBuffer, StatRef, lookup
 
 FWD, BWD, MARK = "fwd", "bwd", "mark"
 

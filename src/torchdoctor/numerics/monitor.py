@@ -78,10 +78,11 @@ from .options import check_options
 from .recording import Recording
 from .report import NonFiniteReport
 from .scalers import LossScaler, OverflowEvent
-from .stats import fused_check_works, window_reduce_works
+from .stats import fused_check_works
 from .step import StepRecord
 from .stepping import Stepping
 from .trace import TraceWriter
+from .windows import window_reduce_works
 
 log = logging.getLogger("torchdoctor.numerics")
 

@@ -16,7 +16,8 @@ import torch
 
 from .frames import Frame, Slot, measure
 from .slots import INPUT_LABELS, NOT_A_TENSOR, OUTPUT_LABELS, labelled_arg, labelled_inputs, labelled_outputs
-from .stats import StatBuffer, all_finite, has_inf
+from .stats import all_finite, has_inf
+from .windows import StatBuffer
 
 _NONE_SLOTS: dict[bool, dict[str, Slot]] = {True: {}, False: {}}  # label -> Slot: shared, never changed
 _OTHER_SLOTS: dict[bool, dict[str, Slot]] = {True: {}, False: {}}
