@@ -123,9 +123,15 @@ def labelled_inputs(args: tuple, kwargs: Mapping[str, Any] | None) -> list[tuple
 
 def labelled_arg(label: str, value: Any) -> list[tuple[str, Any]]:
     """``(label, value)`` of one positional argument (its leaves when it is a container)."""
+    return labelled_item(label, value, 0)
+
+
+def labelled_item(label: str, value: Any, tuple_depth: int) -> list[tuple[str, Any]]:
+    """``(label, value)`` of one argument (``tuple_depth`` 0) or one element of an output tuple (1): the value
+    itself when it is a leaf, else its leaves."""
     if _leaf(value):
         return [(label, value if value is None or isinstance(value, torch.Tensor) else NOT_A_TENSOR)]
-    return [(lb, v) for lb, v, _ in _walk(value, label, 1, 0, False)]
+    return [(lb, v) for lb, v, _ in _walk(value, label, 1, tuple_depth, False)]
 
 
 def labelled_outputs(output: Any) -> list[tuple[str, Any]]:
@@ -135,11 +141,7 @@ def labelled_outputs(output: Any) -> list[tuple[str, Any]]:
     if isinstance(output, tuple):
         out = []
         for i, o in enumerate(output):
-            label = OUTPUT_LABELS[i] if i < 8 else f"output[{i}]"
-            if _leaf(o):
-                out.append((label, o if o is None or isinstance(o, torch.Tensor) else NOT_A_TENSOR))
-            else:
-                out.extend((lb, v) for lb, v, _ in _walk(o, label, 1, 1, False))
+            out += labelled_item(OUTPUT_LABELS[i] if i < 8 else f"output[{i}]", o, 1)
         return out
     return [(lb, v) for lb, v, _ in _walk(output, "output", 0, 0, False)]
 

@@ -15,7 +15,15 @@ from typing import Any
 import torch
 
 from .frames import Frame, Slot, measure
-from .slots import INPUT_LABELS, NOT_A_TENSOR, OUTPUT_LABELS, labelled_arg, labelled_inputs, labelled_outputs
+from .slots import (
+    INPUT_LABELS,
+    NOT_A_TENSOR,
+    OUTPUT_LABELS,
+    labelled_arg,
+    labelled_inputs,
+    labelled_item,
+    labelled_outputs,
+)
 from .stats import all_finite, has_inf
 from .windows import StatBuffer
 
@@ -95,8 +103,7 @@ class StepRecord:
                 elif o is None:
                     append(_NONE_SLOTS[True].get(label) or _fixed_slot(label, "None", True))
                 else:
-                    out += [self.slot(lb, v, True, False, False, at_once) for lb, v in labelled_outputs((o,))
-                            for lb in (label + lb[len("output[0]"):],)]
+                    out += [self.slot(lb, v, True, False, False, at_once) for lb, v in labelled_item(label, o, 1)]
         else:
             out += [self.slot(lb, v, True, False, False, at_once) for lb, v in labelled_outputs(output)]
         return out

@@ -80,6 +80,11 @@ class _Group:
         self.pairs: list[torch.Tensor] = []  # tensors reduced one by one: 0-d abs min, abs max, ...
         self.pair_order: list[int] = []
 
+    def put_pair(self, entry: int, mn: torch.Tensor, mx: torch.Tensor) -> None:
+        """An entry reduced on its own (0-d abs min and abs max)."""
+        self.pairs += (mn, mx)
+        self.pair_order.append(entry)
+
     def joined(self) -> torch.Tensor:
         """Every entry's (abs min, abs max) as one interleaved device tensor: the pieces, then the pairs."""
         if not self.pieces:
@@ -173,9 +178,7 @@ class StatBuffer:
         group = self._group(key)
         entry = group.count
         group.count = entry + 1
-        group.pairs.append(mn)
-        group.pairs.append(mx)
-        group.pair_order.append(entry)
+        group.put_pair(entry, mn, mx)
         return StatRef(key, entry, self._id)
 
     def _reduce(self, key: GroupKey, group: _Group) -> None:
@@ -221,20 +224,20 @@ class StatBuffer:
                     except Exception:
                         self._set_lost(key, group, entry)
                         continue
-                    group.pairs += (mn, mx)
-                    group.pair_order.append(entry)
+                    group.put_pair(entry, mn, mx)
+
+    @staticmethod
+    def _zero(key: GroupKey, group: _Group, entry: int) -> None:
+        zero = torch.zeros((), dtype=key[2], device=key[1])
+        group.put_pair(entry, zero, zero)
 
     def _set_lost(self, key: GroupKey, group: _Group, entry: int) -> None:
         self.lost.add((key, entry))
-        zero = torch.zeros((), dtype=key[2], device=key[1])
-        group.pairs += (zero, zero)
-        group.pair_order.append(entry)
+        self._zero(key, group, entry)
 
     def _move(self, key: GroupKey, group: _Group, entry: int, t: torch.Tensor) -> None:
         """A judged entry whose value changed in place: zeros where it was judged, its statistics as context."""
-        zero = torch.zeros((), dtype=key[2], device=key[1])
-        group.pairs += (zero, zero)
-        group.pair_order.append(entry)
+        self._zero(key, group, entry)
         try:
             with torch.no_grad():
                 mn, mx = abs_min_max(t)
@@ -257,9 +260,7 @@ class StatBuffer:
                         group.pieces.append(_reduce_stacked([t for _, t, _ in items]))
                         group.order.extend(entry for entry, _, _ in items)
                 for entry, t, _ in single:  # (a CPU multi-tensor op costs as much per tensor)
-                    mn, mx = abs_min_max(t)
-                    group.pairs += (mn, mx)
-                    group.pair_order.append(entry)
+                    group.put_pair(entry, *abs_min_max(t))
             else:
                 group.pieces.append(_reduce_foreach([t for _, t, _ in pending]))
                 group.order.extend(entry for entry, _, _ in pending)
