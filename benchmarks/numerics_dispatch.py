@@ -11,7 +11,7 @@ mid-size model's step is launch-bound, so the monitor's ops *are* its cost there
 
 * Ops. ``torchdoctor.syncs.OpCounter`` (a ``TorchDispatchMode``) counts every op of the third training step of
   the T5 of issue 12 (4+4 layers, d_model 256, vocab 32128, batch 4, 32/16 tokens, SGD), bare and at each
-  level, twice: as the CPU reduces (tensors above 16K elements one by one: on a CPU that is faster per element)
+  level, twice: as the CPU reduces (tensors above 4K elements one by one: on a CPU that is faster per element)
   and as an accelerator reduces (``windows.accelerator_path()``: every window through the multi-tensor ops).
 * Host cost. A tiny T5 (d_model 32, d_ff 64, 4+4 layers, 2 heads, d_kv 16, vocab 128, batch 1, 8/8 tokens, SGD,
   one thread), where compute is negligible: the CPU picture of a launch-bound GPU step. Bare, each level,
@@ -128,7 +128,8 @@ def host_cost(reps: int, steps: int) -> dict:
             for _ in range(steps):
                 v.step(batch)
             v.times.append((time.thread_time() - t0) / steps)
-        print(f"  rep {rep + 1}/{reps}", file=sys.stderr, flush=True)
+        if (rep + 1) % max(1, reps // 10) == 0 or rep + 1 == reps:  # (ten progress lines, not one per rep)
+            print(f"  rep {rep + 1}/{reps}", file=sys.stderr, flush=True)
     bare = variants[0].times
     out = {"hooked_modules": modules}
     for v in variants:

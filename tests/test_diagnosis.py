@@ -241,12 +241,15 @@ def test_a_closed_monitor_refuses_a_second_with_block_and_a_new_one_watches(tmp_
 
 
 def test_the_growth_trail_is_read_only_when_a_report_is_built():
-    """The trail's values stay on the device: adding a step reads nothing back."""
+    """The trail's values stay on the device: adding a step reads nothing back. (Only steps judged finite are
+    added, so every value is finite; context groups and integer groups are not peaks.)"""
     from torchdoctor.syncs import SyncCounter
 
     trail = causes.GrowthTrail(size=3)
     for step in range(5):
-        stacked = {(True, torch.device("cpu"), torch.float32): torch.tensor([0.1, 10.0**step, 0.0, float("inf")])}
+        stacked = {(True, torch.device("cpu"), torch.float32): torch.tensor([0.1, 10.0**step, 0.0, 1.0]),
+                   (False, torch.device("cpu"), torch.float32): torch.tensor([0.0, 1e30]),
+                   (True, torch.device("cpu"), torch.int64): torch.tensor([0, 10**12])}
         with SyncCounter() as syncs:
             trail.add(step, stacked)
         assert syncs.count == 0

@@ -322,3 +322,84 @@ def test_compat_prints_an_output_as_returned_even_when_changed_in_place_later():
             i = next(i for i, line in enumerate(lines) if line.strip() == "0 Linear")
             printed[cls, call] = [line for line in lines[i:i + 5] if "output" in line]
     assert printed[Ours, 0] == printed[Theirs, 0] and printed[Ours, 1] == printed[Theirs, 1]
+
+
+def test_waiting_forward_calls_stay_bounded_and_in_order(tmp_path, monkeypatch):
+    """Calls wait to be labelled together (StepRecord.defer); never more than CALLS_WAITING of them, nor more than a
+    window's elements, and the trace still lists every call, in order, with its own numbers."""
+    from torchdoctor.numerics.step import CALLS_WAITING
+
+    monkeypatch.chdir(tmp_path)
+
+    class Loop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.big = torch.nn.Identity()
+
+        def forward(self, x):
+            for _ in range(3 * CALLS_WAITING):
+                x = torch.tanh(self.lin(x))
+            return self.big(torch.ones(stats.WINDOW_ELEMENTS)).sum() * 0 + x.sum()
+
+    torch.manual_seed(0)
+    model = Loop()
+    waiting = []
+    with NumericsMonitor(model, trace_steps=[0]) as mon:
+        model.lin.register_forward_hook(lambda *a: waiting.append(len(mon._rec.calls)))
+        model.big.register_forward_hook(lambda *a: waiting.append(mon._rec.call_elements))
+        model(torch.randn(2, 4))
+    assert max(waiting[:-1]) <= CALLS_WAITING and waiting[-1] < stats.WINDOW_ELEMENTS
+    frames = [json.loads(x) for x in Path("torchdoctor-trace-rank0.jsonl").read_text().splitlines()]
+    lins = [f for f in frames if f["module"] == "lin"]
+    assert len(lins) == 3 * CALLS_WAITING
+    # each call's input is the tanh of the previous call's output: its own numbers, never another call's
+    for prev, cur in zip(lins, lins[1:]):
+        out = next(s for s in prev["slots"] if s["slot"] == "output")
+        inp = next(s for s in cur["slots"] if s["slot"] == "input[0]")
+        assert inp["abs_max"] == pytest.approx(math.tanh(out["abs_max"]), rel=1e-5)
+
+
+def test_module_level_gradient_hooks_see_what_tensor_hooks_see(tmp_path, monkeypatch):
+    """grads='modules' hooks the node that made each output (a pre-hook, for its output index): a node with two
+    outputs of which one gets no gradient, and an output changed in place after the hook, give the gradients a
+    tensor hook registered at the same point receives."""
+
+    class Net(torch.nn.Module):
+        def __init__(self, seen):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 8)
+            self.split = Split(seen)
+            self.act = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, 1)
+            self.seen = seen
+
+        def forward(self, x):
+            a, _unused = self.split(self.lin(x))
+            y = self.act(a)
+            y.register_hook(lambda g: self.seen.update(act=g.abs().max().item()))
+            y.mul_(3.0)  # in place after the hooks: they see the gradient w.r.t. y before it
+            return self.head(y).sum()
+
+    class Split(torch.nn.Module):
+        def __init__(self, seen):
+            super().__init__()
+            self.seen = seen
+
+        def forward(self, x):
+            a, b = x.chunk(2, dim=-1)
+            a.register_hook(lambda g: self.seen.update(split0=g.abs().max().item()))
+            return a, b
+
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    seen: dict = {}
+    model = Net(seen)
+    with NumericsMonitor(model, grads="modules", trace_steps=[0]) as mon:
+        model(torch.randn(2, 4)).backward()
+        mon.step()
+    lines = [json.loads(x) for x in Path("torchdoctor-trace-rank0.jsonl").read_text().splitlines()]
+    bwd = {(f["module"], s["slot"]): s for f in lines if f["phase"] == "bwd" for s in f["slots"]}
+    assert bwd[("act", "grad_output")]["abs_max"] == pytest.approx(seen["act"], rel=1e-6)
+    assert bwd[("split", "grad_output[0]")]["abs_max"] == pytest.approx(seen["split0"], rel=1e-6)
+    assert ("split", "grad_output[1]") not in bwd  # no gradient reaches the unused half

@@ -84,14 +84,13 @@ class GrowthTrail:
         self._peaks: deque[tuple[int, torch.Tensor]] = deque(maxlen=size)
 
     def add(self, step: int, stacked: dict) -> None:
-        """``stacked``: a step's judged groups (:meth:`~.windows.StatBuffer.judged_stacks`: abs min, abs max
-        interleaved). A few tiny device ops per group, no host sync."""
+        """``stacked``: the judged groups (:meth:`~.windows.StatBuffer.judged_stacks`: abs min, abs max
+        interleaved) of a step judged finite, so every value is. Two tiny device ops per group, no host sync."""
         peaks = []
         for (judged, _device, dtype), values in stacked.items():
             if not judged or not dtype.is_floating_point or values.numel() < 2:
                 continue
-            top = values[1::2]
-            peaks.append(torch.where(torch.isfinite(top), top, 0).amax().float())
+            peaks.append(values[1::2].amax().float())
         if peaks:
             # groups on several devices: gather on an accelerator if there is one, without waiting (as
             # stats.all_finite does: a copy *to* the CPU would block until the device caught up)

@@ -53,6 +53,7 @@ class Judging:
     def _resolved(records: list[StepRecord]) -> list[ResolvedFrame]:
         out: list[ResolvedFrame] = []
         for r in records:
+            r.settle()
             out.extend(resolve(r.frames, r.buffer.read(), r.weights.read() if r.weights is not None else None))
         return out
 

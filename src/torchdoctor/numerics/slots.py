@@ -41,6 +41,21 @@ def _children(value: Any) -> list[tuple[str, Any]] | None:
     return None
 
 
+_OPAQUE_TYPES: set[type] = set()  # types seen not to be containers (a transformers Cache): asked once each
+
+
+def is_container(value: Any) -> bool:
+    """Is ``value`` one the labelling walks into (a tuple, list, mapping or dataclass instance), not a leaf?"""
+    cls = type(value)
+    if cls in _OPAQUE_TYPES:
+        return False
+    if isinstance(value, (tuple, list, Mapping)) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
+        return True
+    if len(_OPAQUE_TYPES) < 256:
+        _OPAQUE_TYPES.add(cls)
+    return False
+
+
 def _walk(
     value: Any, label: str, depth: int, hf_visible_depth: int, hf: bool, visible: bool = True
 ) -> Iterator[tuple[str, Any, bool]]:
@@ -116,6 +131,8 @@ def labelled_inputs(args: tuple, kwargs: Mapping[str, Any] | None) -> list[tuple
                     _KEYWORD_LABELS[k] = label
             if isinstance(v, torch.Tensor):
                 out.append((label, v))
+            elif not is_container(v):  # (an object such as a transformers Cache: one line, no walk)
+                out.append((label, NOT_A_TENSOR))
             else:
                 out.extend((lb, x) for lb, x, _ in _walk(v, label, 1, 0, False))
     return out
@@ -129,7 +146,7 @@ def labelled_arg(label: str, value: Any) -> list[tuple[str, Any]]:
 def labelled_item(label: str, value: Any, tuple_depth: int) -> list[tuple[str, Any]]:
     """``(label, value)`` of one argument (``tuple_depth`` 0) or one element of an output tuple (1): the value
     itself when it is a leaf, else its leaves."""
-    if _leaf(value):
+    if _leaf(value) or not is_container(value):
         return [(label, value if value is None or isinstance(value, torch.Tensor) else NOT_A_TENSOR)]
     return [(lb, v) for lb, v, _ in _walk(value, label, 1, tuple_depth, False)]
 

@@ -19,16 +19,33 @@ from .slots import (
     INPUT_LABELS,
     NOT_A_TENSOR,
     OUTPUT_LABELS,
+    is_container,
     labelled_arg,
     labelled_inputs,
     labelled_item,
     labelled_outputs,
 )
 from .stats import all_finite, has_inf
-from .windows import StatBuffer
+from .windows import WINDOW_ELEMENTS, StatBuffer
 
+_STRIDED = torch.strided
+_SCALARS = (bool, int, float, str)  # leaves of a call besides tensors and None (slots.labelled_inputs)
+CALLS_WAITING = 128  # forward calls labelled together (StepRecord.settle); also bounded by WINDOW_ELEMENTS
 _NONE_SLOTS: dict[bool, dict[str, Slot]] = {True: {}, False: {}}  # label -> Slot: shared, never changed
 _OTHER_SLOTS: dict[bool, dict[str, Slot]] = {True: {}, False: {}}
+
+
+def _versioned(values: Any, versions: dict[int, int]) -> int | None:
+    """Note the version of each tensor among ``values`` (a call's arguments, keyword values or output tuple) in
+    ``versions``; their elements, or None when one of the values is a container (its tensors are not noted)."""
+    n = 0
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            versions[id(a)] = a._version
+            n += a.numel()
+        elif a is not None and not isinstance(a, _SCALARS) and is_container(a):
+            return None
+    return n
 
 
 def _fixed_slot(label: str, kind: str, judged: bool) -> Slot:
@@ -55,6 +72,11 @@ class StepRecord:
     root_calls: list = field(default_factory=list)  # the model's calls, kept for an eager re-run (compiled models)
     continued: bool = False  # compat: the same batch goes on (a submodule called on its own ended a record)
     weights: StatBuffer | None = None  # the weights of the frames kept as context, measured as the step ended
+    # forward calls waiting to be labelled and measured (settle()): (frame, args, kwargs, output, versions)
+    calls: list[tuple] = field(default_factory=list)
+    call_elements: int = 0  # elements of the tensors those calls hold
+    # module-level gradient targets whose forward output was still waiting: (id, weakref, targets, index)
+    unsourced: list[tuple] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -75,31 +97,88 @@ class StepRecord:
             return measure(self.buffer, label, value, judged, param=True, at_once=True)
         return self._tensor_slot(label, value, judged, hf, at_once)
 
-    def call_slots(self, args: tuple, kwargs: dict | None, output: Any, at_once: bool) -> list[Slot]:
+    def defer(self, frame: Frame, args: tuple, kwargs: dict | None, output: Any) -> bool:
+        """Keep one forward call to be labelled and measured with the calls around it (:meth:`settle`), with the
+        version of each of its tensors now, so that a change in place before then still shows. False when it is to
+        be measured now: it holds a container (a list, dict, ModelOutput: only top-level values are versioned
+        here) or an inference tensor (no version counter).
+
+        The hook itself then costs a few attribute reads per tensor; the labelling runs later, many calls in one
+        loop, where the interpreter's caches are warm (issue 12: ~0.05x less on the tiny T5 step of BENCHMARKS.md
+        than labelling each call in its hook, between the model's own ops)."""
+        versions: dict[int, int] = {}
+        try:
+            n = _versioned(args, versions)
+            if n is not None and kwargs:
+                more = _versioned(kwargs.values(), versions)
+                n = None if more is None else n + more
+            if n is None:
+                return False
+            if isinstance(output, torch.Tensor):
+                versions[id(output)] = output._version
+                n += output.numel()
+            elif type(output) is tuple and len(output) <= 8:  # (as call_slots takes it, each value versioned)
+                more = _versioned(output, versions)
+                if more is None:
+                    return False
+                n += more
+            elif output is not None and not isinstance(output, _SCALARS) and is_container(output):
+                return False
+        except Exception:  # an inference tensor (no version counter), a wrapper that has none: measured now
+            return False
+        self.calls.append((frame, args, kwargs, output, versions))
+        self.call_elements += n
+        if len(self.calls) >= CALLS_WAITING or self.call_elements >= WINDOW_ELEMENTS:
+            self.settle()
+        return True
+
+    def settle(self) -> None:
+        """Label and measure the calls waiting (:meth:`defer`), in the order they ran: before anything reads
+        this record's frames or statistics, and before a call measured at once (so that an output passed on as an
+        input is still measured once)."""
+        calls = self.calls
+        if not calls:
+            return
+        self.calls = []
+        self.call_elements = 0
+        call_slots = self.call_slots
+        for frame, args, kwargs, output, versions in calls:
+            frame.slots = call_slots(args, kwargs, output, False, versions)
+        if self.unsourced:
+            for key, ref, targets, i in self.unsourced:
+                seen = self.seen.get(key)
+                if seen is not None and seen[0]() is ref() and seen[2].ref is not None:
+                    info, label, _ = targets[i]
+                    targets[i] = (info, label, seen[2].ref)
+            self.unsourced.clear()
+
+    def call_slots(self, args: tuple, kwargs: dict | None, output: Any, at_once: bool,
+                   versions: dict[int, int] | None = None) -> list[Slot]:
         """Every slot of one forward call (inputs as context, outputs judged), as :func:`~.slots.labelled_inputs`
         and :func:`~.slots.labelled_outputs` label them, with the common values (tensors, None) handled inline:
-        this runs once per hooked module and call."""
+        this runs once per hooked module and call. ``versions``: each tensor's version when the call ran (a
+        call that waited), else read now."""
         out: list[Slot] = []
         append = out.append
         tensor_slot = self._tensor_slot
         for i, a in enumerate(args):
             label = INPUT_LABELS[i] if i < 8 else f"input[{i}]"
             if isinstance(a, torch.Tensor):
-                append(tensor_slot(label, a, False, False, at_once))
+                append(tensor_slot(label, a, False, False, at_once, versions))
             elif a is None:
                 append(_NONE_SLOTS[False].get(label) or _fixed_slot(label, "None", False))
             else:  # a scalar, a container (walked as labelled_inputs walks it)
                 out += [self.slot(lb, v, False, False, False, at_once) for lb, v in labelled_arg(label, a)]
         if kwargs:
             for lb, v in labelled_inputs((), kwargs):
-                append(tensor_slot(lb, v, False, False, at_once) if isinstance(v, torch.Tensor)
+                append(tensor_slot(lb, v, False, False, at_once, versions) if isinstance(v, torch.Tensor)
                        else self.slot(lb, v, False, False, False, at_once))
         if isinstance(output, torch.Tensor):
-            append(tensor_slot("output", output, True, False, at_once))
+            append(tensor_slot("output", output, True, False, at_once, versions))
         elif type(output) is tuple and len(output) <= 8:  # (a T5 block: hidden states, position bias, None...)
             for label, o in zip(OUTPUT_LABELS, output):
                 if isinstance(o, torch.Tensor):
-                    append(tensor_slot(label, o, True, False, at_once))
+                    append(tensor_slot(label, o, True, False, at_once, versions))
                 elif o is None:
                     append(_NONE_SLOTS[True].get(label) or _fixed_slot(label, "None", True))
                 else:
@@ -108,20 +187,30 @@ class StepRecord:
             out += [self.slot(lb, v, True, False, False, at_once) for lb, v in labelled_outputs(output)]
         return out
 
-    def _tensor_slot(self, label: str, value: torch.Tensor, judged: bool, hf: bool, at_once: bool) -> Slot:
-        try:
-            version = value._version
-        except RuntimeError:  # an inference tensor: no version counter, so never "the same as before"
-            return self._measure(label, value, judged, hf, at_once)
+    def _tensor_slot(self, label: str, value: torch.Tensor, judged: bool, hf: bool, at_once: bool,
+                     versions: dict[int, int] | None = None) -> Slot:
         key = id(value)
+        version = versions.get(key) if versions is not None else None
+        if version is None:
+            try:
+                version = value._version
+            except RuntimeError:  # an inference tensor: no version counter, so never "the same as before"
+                return self._measure(label, value, judged, hf, at_once)
         seen = self.seen.get(key)
         if seen is not None and seen[1] == version and seen[0]() is value:
             s = seen[2]
-            if s.ref is None or s.ref.judged or not judged:
-                return Slot(label, s.ref, s.kind, s.dtype, s.inf_ref, s.scope, s.param, judged, s.nan_ref)
-        if (not hf and type(value) is torch.Tensor and value.layout is torch.strided and not value.is_meta
-                and not value.is_quantized and value.numel()):
-            slot = Slot(label, self.buffer.add(value, judged, at_once), None, value.dtype, None, None, False, judged)
+            ref = s.ref
+            if ref is None or ref[0][0] or not judged:  # (ref[0][0]: ref.judged, without the property call)
+                return Slot(label, ref, s.kind, s.dtype, s.inf_ref, s.scope, s.param, judged, s.nan_ref)
+        ref = None
+        if not hf and type(value) is torch.Tensor and value.layout is _STRIDED:
+            # the common case, checked once: a window takes it (never an empty, meta or quantized tensor), or it is
+            # a plain tensor reduced at once
+            ref = None if at_once else self.buffer.wait(value, judged, version)
+            if ref is None and value.numel() and not value.is_meta and not value.is_quantized:
+                ref = self.buffer.add(value, judged, True)
+        if ref is not None:
+            slot = Slot(label, ref, None, value.dtype, None, None, False, judged)
         else:
             slot = self._measure(label, value, judged, hf, at_once)
         self.seen[key] = (weakref.ref(value), version, slot)
@@ -143,6 +232,7 @@ class StepRecord:
         """The step is over: keep only the frames a later report can show (its last ``max_frames``) and
         measure their modules' weights now, before the optimizer changes them, on the device (no sync).
         Their parameter gradients are not kept: by the next report they are another step's."""
+        self.settle()
         self.frames = self.frames[-max_frames:] if max_frames else []
         self.seen.clear()
         self.grad_targets.clear()
@@ -184,6 +274,7 @@ class StepRecord:
 
     def activation_flag(self) -> torch.Tensor | None:
         """One on-device "all judged statistics finite" flag (None when nothing was measured)."""
+        self.settle()
         flags = self.buffer.finite_flags()
         if self.buffer.changed:
             self.measure_changed_at_once()

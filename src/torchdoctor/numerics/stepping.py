@@ -94,6 +94,7 @@ class Stepping:
     def _close_step(self, source: str, abort_check: bool = True) -> None:
         """Check the finished step with one host read; raise or record what went wrong."""
         rec = self._rec
+        rec.settle()
         nothing = rec.empty and self._deferred_report is None
         if nothing and source in ("forward", "skipped", "final") and not self._sync_ranks:
             return  # (under DDP every rank must take part in the verdict, so no shortcut there)
@@ -240,7 +241,8 @@ class Stepping:
     # ------------------------------------------------------------------ forwards that end a pass
     def _on_root_forward_end(self) -> None:
         # the model's outputs are measured before the code after the forward can change them in place
-        # (logits[:, 0] = -inf before the loss): a window must never hold them into user code
+        # (logits[:, 0] = -inf before the loss): neither a waiting call nor a window may hold them into user code
+        self._rec.settle()
         self._rec.buffer.flush()
         if self._stash is not None:
             self._close_inference_pass()

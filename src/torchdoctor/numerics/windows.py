@@ -55,6 +55,9 @@ class StatRef(NamedTuple):
         return self.key[0]
 
 
+_new_ref = tuple.__new__  # StatRef(key, entry, buffer) without the named tuple's Python-level __new__ (~0.7 us)
+
+
 class StatValues(dict):
     """Host copy of a :class:`StatBuffer`: group key -> values (abs min, abs max interleaved, in the order the
     device pieces were reduced), ``rows``: group key -> row of each entry, and ``changed``: the (group key,
@@ -154,32 +157,45 @@ class StatBuffer:
     def add(self, t: torch.Tensor, judged: bool = True, at_once: bool = False) -> StatRef:
         """Reduce ``t`` on its device (with its window, or now) and keep the two results. ``t`` must not be
         skipped. ``at_once``: not in a window (a module known to see its outputs changed in place)."""
-        dtype = t.dtype
-        device = t.device
-        n = t.numel()
         # (a tensor subclass -- an AsyncCollectiveTensor from tensor parallelism, a wrapper -- is reduced at once:
-        # it may have no storage of its own and waits on a collective when first read)
-        if (not at_once and dtype in _WINDOW_DTYPES and n <= _window_max.get(device, 0)
-                and type(t) in _PLAIN_TYPES and not t.is_inference()):  # (no version counter to watch there)
-            key = (judged, device, dtype)
-            group = self._groups.get(key) or self._group(key)
-            entry = group.count
-            group.count = entry + 1
-            group.pending.append((entry, t, t._version))
-            group.pending_elements += n
-            if len(group.pending) >= WINDOW_TENSORS or group.pending_elements >= WINDOW_ELEMENTS:
-                self._reduce(key, group)
-            return StatRef(key, entry, self._id)
+        # it may have no storage of its own and waits on a collective when first read; an inference tensor has no
+        # version counter to watch)
+        if not at_once and type(t) in _PLAIN_TYPES and not t.is_inference():
+            ref = self.wait(t, judged, t._version)
+            if ref is not None:
+                return ref
         with torch.no_grad():  # (no detach dispatch)
             mn, mx = abs_min_max(t)
         return self._put((judged, mx.device, mx.dtype), mn, mx)
+
+    def wait(self, t: torch.Tensor, judged: bool, version: int) -> StatRef | None:
+        """Put a plain strided tensor (``torch.Tensor`` or ``Parameter``, not an inference tensor: the caller
+        checked) in its window, as it is at ``version``; None when no window takes it (empty, too large, a dtype or
+        device without windows), and then the caller measures it at once. The monitor's hot path."""
+        n = t.numel()
+        device = t.device
+        if n > _window_max.get(device, 0) or not n:
+            return None
+        dtype = t.dtype
+        if dtype not in _WINDOW_DTYPES:
+            return None
+        key = (judged, device, dtype)
+        group = self._groups.get(key) or self._group(key)
+        entry = group.count
+        group.count = entry + 1
+        pending = group.pending
+        pending.append((entry, t, version))
+        group.pending_elements += n
+        if len(pending) >= WINDOW_TENSORS or group.pending_elements >= WINDOW_ELEMENTS:
+            self._reduce(key, group)
+        return _new_ref(StatRef, (key, entry, self._id))
 
     def _put(self, key: GroupKey, mn: torch.Tensor, mx: torch.Tensor) -> StatRef:
         group = self._group(key)
         entry = group.count
         group.count = entry + 1
         group.put_pair(entry, mn, mx)
-        return StatRef(key, entry, self._id)
+        return _new_ref(StatRef, (key, entry, self._id))
 
     def _reduce(self, key: GroupKey, group: _Group) -> None:
         """Reduce one group's window (see the module docstring for the two ways). Never an exception into the run:
