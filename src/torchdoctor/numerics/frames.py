@@ -179,11 +179,11 @@ CHANGED_IN_PLACE = "measured after an in-place change"  # the value was changed 
 def _line(s: Slot, values: dict) -> Line:
     if s.ref is None:
         return Line(s.label, kind=s.kind, dtype=s.dtype, param=s.param, scope=s.scope, judged=s.judged)
-    if values.lost and (s.ref.key, s.ref.index) in values.lost:
+    if values.lost and s.ref[:2] in values.lost:
         return Line(s.label, kind="freed", dtype=s.dtype, param=s.param, scope=s.scope, judged=s.judged)
     mn, mx = lookup(values, s.ref)
     scope, judged = s.scope, s.judged
-    if values.changed and (s.ref.key, s.ref.index) in values.changed:  # not what the module returned: context
+    if values.changed and s.ref[:2] in values.changed:  # not what the module returned: context
         scope, judged = (f"{scope}, {CHANGED_IN_PLACE}" if scope else CHANGED_IN_PLACE), False
     has_inf = bool(lookup(values, s.inf_ref)[0]) if s.inf_ref is not None else None
     has_nan = bool(lookup(values, s.nan_ref)[0]) if s.nan_ref is not None else None

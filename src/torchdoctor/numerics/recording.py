@@ -265,8 +265,11 @@ class Recording:
         A leaf (a module returning its own parameter) has no such node: a tensor hook then."""
         node = v.grad_fn
         if node is not None:
+            hook = self.__dict__.get("_on_grad_of_bound")  # one bound method, not one per output (fewer GC objects)
+            if hook is None:
+                hook = self.__dict__["_on_grad_of_bound"] = self._on_grad_of
             try:
-                node.register_prehook(functools.partial(self._on_grad_of, targets, v.output_nr))
+                node.register_prehook(functools.partial(hook, targets, v.output_nr))
                 return
             except Exception:  # (a node type without pre-hooks)
                 pass

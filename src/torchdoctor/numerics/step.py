@@ -200,7 +200,7 @@ class StepRecord:
         if seen is not None and seen[1] == version and seen[0]() is value:
             s = seen[2]
             ref = s.ref
-            if ref is None or ref[0][0] or not judged:  # (ref[0][0]: ref.judged, without the property call)
+            if ref is None or ref[0][0] or not judged:  # (ref[0][0]: its group is judged)
                 return Slot(label, ref, s.kind, s.dtype, s.inf_ref, s.scope, s.param, judged, s.nan_ref)
         ref = None
         if not hf and type(value) is torch.Tensor and value.layout is _STRIDED:
@@ -268,7 +268,7 @@ class StepRecord:
         ``x += residual``): their modules are measured at once from now on (this step's lines say so)."""
         changed = self.buffer.changed
         for f in self.frames:
-            if not f.info.at_once and any(s.ref is not None and (s.ref.key, s.ref.index) in changed
+            if not f.info.at_once and any(s.ref is not None and s.ref[:2] in changed
                                           and s.label.startswith("output") for s in f.slots):
                 f.info.at_once = True
 
