@@ -403,3 +403,23 @@ def test_module_level_gradient_hooks_see_what_tensor_hooks_see(tmp_path, monkeyp
     assert bwd[("act", "grad_output")]["abs_max"] == pytest.approx(seen["act"], rel=1e-6)
     assert bwd[("split", "grad_output[0]")]["abs_max"] == pytest.approx(seen["split0"], rel=1e-6)
     assert ("split", "grad_output[1]") not in bwd  # no gradient reaches the unused half
+
+
+def test_a_forward_in_another_thread_is_measured_in_its_hooks(tmp_path, monkeypatch):
+    """nn.DataParallel runs its replicas' forwards in threads: calls wait only in the thread that made the record,
+    so a call from another thread is labelled in its own hook and no queue is shared between threads."""
+    import threading
+
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    waiting = []
+    with NumericsMonitor(model, trace_steps=[0, 1]) as mon:
+        model[1].register_forward_hook(lambda *a: waiting.append(len(mon._rec.calls)))
+        worker = threading.Thread(target=lambda: model(torch.randn(2, 4)).sum())
+        worker.start()
+        worker.join()
+        model(torch.randn(2, 4))  # in the record's own thread the calls wait again
+    assert waiting == [0, 2]
+    frames = [json.loads(x) for x in Path("torchdoctor-trace-rank0.jsonl").read_text().splitlines()]
+    assert len(frames) == 8 and all(s["abs_max"] is not None for f in frames for s in f["slots"])

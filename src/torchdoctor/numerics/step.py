@@ -8,6 +8,7 @@ current record is all it takes to keep those apart.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +78,7 @@ class StepRecord:
     call_elements: int = 0  # elements of the tensors those calls hold
     # module-level gradient targets whose forward output was still waiting: (id, weakref, targets, index)
     unsourced: list[tuple] = field(default_factory=list)
+    thread: int = field(default_factory=threading.get_ident)  # calls wait only in the thread that made the record
 
     @property
     def empty(self) -> bool:
@@ -101,11 +103,14 @@ class StepRecord:
         """Keep one forward call to be labelled and measured with the calls around it (:meth:`settle`), with the
         version of each of its tensors now, so that a change in place before then still shows. False when it is to
         be measured now: it holds a container (a list, dict, ModelOutput: only top-level values are versioned
-        here) or an inference tensor (no version counter).
+        here) or an inference tensor (no version counter), or it runs in another thread than the record's (a queue
+        shared by threads could lose a call between two settles).
 
         The hook itself then costs a few attribute reads per tensor; the labelling runs later, many calls in one
         loop, where the interpreter's caches are warm (issue 12: ~0.05x less on the tiny T5 step of BENCHMARKS.md
         than labelling each call in its hook, between the model's own ops)."""
+        if threading.get_ident() != self.thread:
+            return False  # a forward in another thread (nn.DataParallel's replicas): its own values, measured now
         versions: dict[int, int] = {}
         try:
             n = _versioned(args, versions)
