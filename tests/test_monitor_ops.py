@@ -423,3 +423,28 @@ def test_a_forward_in_another_thread_is_measured_in_its_hooks(tmp_path, monkeypa
     assert waiting == [0, 2]
     frames = [json.loads(x) for x in Path("torchdoctor-trace-rank0.jsonl").read_text().splitlines()]
     assert len(frames) == 8 and all(s["abs_max"] is not None for f in frames for s in f["slots"])
+
+
+def test_a_call_with_a_tensor_no_window_takes_is_measured_before_the_code_after_it():
+    """On a CPU a tensor above the window's 4K elements is measured at once: its call is labelled in its hook, so an
+    in-place change by the code after the module (here a ReLU over a -inf) can never hide the module's output."""
+
+    class Wide(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8192)
+            self.act = torch.nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            return self.act(self.lin(x)).sum()
+
+    torch.manual_seed(0)
+    model = Wide()
+    waiting = []
+    with pytest.raises(NonFiniteError) as exc, NumericsMonitor(model) as mon:
+        model.lin.register_forward_hook(lambda *a: waiting.append(len(mon._rec.calls)))
+        with torch.no_grad():
+            model.lin.bias[0] = -float("inf")
+        model(torch.randn(1, 8))
+    assert waiting == [0]
+    assert (exc.value.first.module, exc.value.first.slot) == ("lin", "output")

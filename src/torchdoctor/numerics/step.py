@@ -27,7 +27,7 @@ from .slots import (
     labelled_outputs,
 )
 from .stats import all_finite, has_inf
-from .windows import WINDOW_ELEMENTS, StatBuffer
+from .windows import WINDOW_DTYPES, WINDOW_ELEMENTS, WINDOW_LIMITS, StatBuffer
 
 _STRIDED = torch.strided
 _SCALARS = (bool, int, float, str)  # leaves of a call besides tensors and None (slots.labelled_inputs)
@@ -38,12 +38,17 @@ _OTHER_SLOTS: dict[bool, dict[str, Slot]] = {True: {}, False: {}}
 
 def _versioned(values: Any, versions: dict[int, int]) -> int | None:
     """Note the version of each tensor among ``values`` (a call's arguments, keyword values or output tuple) in
-    ``versions``; their elements, or None when one of the values is a container (its tensors are not noted)."""
+    ``versions``; their elements, or None when the call must be labelled now: one of the values is a container (its
+    tensors are not noted) or a tensor no window takes (an integer tensor, one too large: measured at once, it must
+    be measured before anything can change it)."""
     n = 0
     for a in values:
         if isinstance(a, torch.Tensor):
+            m = a.numel()
+            if m and (a.dtype not in WINDOW_DTYPES or m > WINDOW_LIMITS.get(a.device, 0)):
+                return None
             versions[id(a)] = a._version
-            n += a.numel()
+            n += m
         elif a is not None and not isinstance(a, _SCALARS) and is_container(a):
             return None
     return n
@@ -103,8 +108,10 @@ class StepRecord:
         """Keep one forward call to be labelled and measured with the calls around it (:meth:`settle`), with the
         version of each of its tensors now, so that a change in place before then still shows. False when it is to
         be measured now: it holds a container (a list, dict, ModelOutput: only top-level values are versioned
-        here) or an inference tensor (no version counter), or it runs in another thread than the record's (a queue
-        shared by threads could lose a call between two settles).
+        here), a tensor no window takes (measured at once, so before the code after the call can change it), an
+        inference tensor (no version counter), or it runs in another thread than the record's (a queue shared by
+        threads could lose a call between two settles). Only values a window takes wait, so the window's version
+        check covers every in-place change between the hook and the reduction.
 
         The hook itself then costs a few attribute reads per tensor; the labelling runs later, many calls in one
         loop, where the interpreter's caches are warm (issue 12: ~0.05x less on the tiny T5 step of BENCHMARKS.md
@@ -119,11 +126,9 @@ class StepRecord:
                 n = None if more is None else n + more
             if n is None:
                 return False
-            if isinstance(output, torch.Tensor):
-                versions[id(output)] = output._version
-                n += output.numel()
-            elif type(output) is tuple and len(output) <= 8:  # (as call_slots takes it, each value versioned)
-                more = _versioned(output, versions)
+            if isinstance(output, torch.Tensor) or (type(output) is tuple and len(output) <= 8):
+                # (a tuple as call_slots takes it, each value versioned)
+                more = _versioned((output,) if isinstance(output, torch.Tensor) else output, versions)
                 if more is None:
                     return False
                 n += more

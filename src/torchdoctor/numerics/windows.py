@@ -33,7 +33,7 @@ from .stats import CHUNK_ELEMENTS, abs_min_max
 # elements are held and copied by its abs temporaries: 8 MiB of fp32, whatever the batch size).
 WINDOW_TENSORS = 256
 WINDOW_ELEMENTS = CHUNK_ELEMENTS
-_WINDOW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+WINDOW_DTYPES = _WINDOW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -321,6 +321,7 @@ class StatBuffer:
 # tensors: there a dispatch costs ~1-6 us and no launch, so batching pays only where the dispatch outweighs the
 # work; above ~8K elements one-by-one abs + aminmax is faster (see _reduce_stacked).
 _window_max: dict[torch.device, int] = {}
+WINDOW_LIMITS = _window_max  # (read-only outside this module: a forward call waits only if its tensors fit)
 CPU_WINDOW_MAX_ELEMENTS = 1 << 12
 _cpu_stacks = [True]  # CPU windows stack tensors of one shape (see accelerator_path)
 
