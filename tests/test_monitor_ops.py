@@ -361,9 +361,10 @@ def test_waiting_forward_calls_stay_bounded_and_in_order(tmp_path, monkeypatch):
 
 
 def test_module_level_gradient_hooks_see_what_tensor_hooks_see(tmp_path, monkeypatch):
-    """grads='modules' hooks the node that made each output (a pre-hook, for its output index): a node with two
-    outputs of which one gets no gradient, and an output changed in place after the hook, give the gradients a
-    tensor hook registered at the same point receives."""
+    """grads='modules' catches each output's gradient with a tensor hook (a pre-hook of the node that made it would
+    miss torch.autograd.grad w.r.t. that output, an unused output's None, and would run after the user's own tensor
+    hooks): a node with two outputs of which one gets no gradient, and an output changed in place after the hook,
+    give the gradients a tensor hook registered at the same point receives."""
 
     class Net(torch.nn.Module):
         def __init__(self, seen):
@@ -402,7 +403,7 @@ def test_module_level_gradient_hooks_see_what_tensor_hooks_see(tmp_path, monkeyp
     bwd = {(f["module"], s["slot"]): s for f in lines if f["phase"] == "bwd" for s in f["slots"]}
     assert bwd[("act", "grad_output")]["abs_max"] == pytest.approx(seen["act"], rel=1e-6)
     assert bwd[("split", "grad_output[0]")]["abs_max"] == pytest.approx(seen["split0"], rel=1e-6)
-    assert ("split", "grad_output[1]") not in bwd  # no gradient reaches the unused half
+    assert bwd[("split", "grad_output[1]")]["kind"] == "None"  # no gradient reaches the unused half: said so
 
 
 def test_a_forward_in_another_thread_is_measured_in_its_hooks(tmp_path, monkeypatch):
@@ -423,6 +424,34 @@ def test_a_forward_in_another_thread_is_measured_in_its_hooks(tmp_path, monkeypa
     assert waiting == [0, 2]
     frames = [json.loads(x) for x in Path("torchdoctor-trace-rank0.jsonl").read_text().splitlines()]
     assert len(frames) == 8 and all(s["abs_max"] is not None for f in frames for s in f["slots"])
+
+
+def test_a_parameter_or_subclass_output_is_measured_before_the_code_after_it():
+    """A Parameter or a tensor subclass returned by a module is measured at once (never in a window), so its call is
+    labelled in its hook: the parent's masked_fill_(-inf) after the call (attention masking) is not that module's
+    output, and a weight the loop sets to -inf after its module ran is blamed on the step that uses it."""
+
+    class Tagged(torch.Tensor):
+        pass
+
+    class Scores(torch.nn.Module):
+        def forward(self, q):
+            return (q @ q.transpose(-1, -2)).as_subclass(Tagged)
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scores = Scores()
+
+        def forward(self, q):
+            s = self.scores(q)
+            s.masked_fill_(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+            return torch.softmax(s.as_subclass(torch.Tensor), -1).sum()
+
+    model = Attn()
+    with NumericsMonitor(model):  # no NonFiniteError: the -inf is the parent's mask, after the call
+        model(torch.randn(2, 4, 3))
+        model(torch.randn(2, 4, 3))
 
 
 def test_a_call_with_a_tensor_no_window_takes_is_measured_before_the_code_after_it():

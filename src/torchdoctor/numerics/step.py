@@ -39,13 +39,16 @@ _OTHER_SLOTS: dict[bool, dict[str, Slot]] = {True: {}, False: {}}
 def _versioned(values: Any, versions: dict[int, int]) -> int | None:
     """Note the version of each tensor among ``values`` (a call's arguments, keyword values or output tuple) in
     ``versions``; their elements, or None when the call must be labelled now: one of the values is a container (its
-    tensors are not noted) or a tensor no window takes (an integer tensor, one too large: measured at once, it must
-    be measured before anything can change it)."""
+    tensors are not noted) or a tensor no window takes (an integer tensor, one too large, a Parameter, a subclass,
+    a sparse tensor: measured at once, it must be measured before anything can change it)."""
     n = 0
     for a in values:
         if isinstance(a, torch.Tensor):
             m = a.numel()
-            if m and (a.dtype not in WINDOW_DTYPES or m > WINDOW_LIMITS.get(a.device, 0)):
+            # (as _tensor_slot puts a tensor in a window: a plain strided one; a Parameter or a subclass is measured
+            # at once, so its call must not wait either)
+            if m and (type(a) is not torch.Tensor or a.layout is not _STRIDED or a.dtype not in WINDOW_DTYPES
+                      or m > WINDOW_LIMITS.get(a.device, 0)):
                 return None
             versions[id(a)] = a._version
             n += m
