@@ -117,8 +117,8 @@ class StepRecord:
         check covers every in-place change between the hook and the reduction.
 
         The hook itself then costs a few attribute reads per tensor; the labelling runs later, many calls in one
-        loop, where the interpreter's caches are warm (issue 12: ~0.05x less on the tiny T5 step of BENCHMARKS.md
-        than labelling each call in its hook, between the model's own ops)."""
+        loop, where the interpreter's caches are warm (issue 12: 0.02-0.05x less on the tiny T5 step of
+        BENCHMARKS.md, in-process A/B, than labelling each call in its hook, between the model's own ops)."""
         if threading.get_ident() != self.thread:
             return False  # a forward in another thread (nn.DataParallel's replicas): its own values, measured now
         versions: dict[int, int] = {}
