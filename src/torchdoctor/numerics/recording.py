@@ -188,7 +188,7 @@ class Recording:
 
     def _hook_backward_seen(self, output: Any) -> None:
         """One cheap hook on the root output that notes that a backward ran (for skipped steps)."""
-        for _, v in ([("output", output)] if isinstance(output, torch.Tensor) else labelled_outputs(output)):
+        for _, v in labelled_outputs(output):
             if isinstance(v, torch.Tensor) and v.requires_grad:
                 v.register_hook(self._on_backward_seen)
                 return
@@ -242,7 +242,7 @@ class Recording:
 
     def _hook_grads(self, info: ModuleInfo, output: Any) -> None:
         rec = self._rec
-        for label, v in ([("output", output)] if isinstance(output, torch.Tensor) else labelled_outputs(output)):
+        for label, v in labelled_outputs(output):
             if not (isinstance(v, torch.Tensor) and v.requires_grad):
                 continue
             key = id(v)

@@ -27,7 +27,7 @@ from .slots import (
     labelled_outputs,
 )
 from .stats import all_finite, has_inf
-from .windows import WINDOW_DTYPES, WINDOW_ELEMENTS, WINDOW_LIMITS, StatBuffer
+from .windows import WINDOW_ELEMENTS, StatBuffer, fits_window
 
 _STRIDED = torch.strided
 _SCALARS = (bool, int, float, str)  # leaves of a call besides tensors and None (slots.labelled_inputs)
@@ -45,10 +45,7 @@ def _versioned(values: Any, versions: dict[int, int]) -> int | None:
     for a in values:
         if isinstance(a, torch.Tensor):
             m = a.numel()
-            # (as _tensor_slot puts a tensor in a window: a plain strided one; a Parameter or a subclass is measured
-            # at once, so its call must not wait either)
-            if m and (type(a) is not torch.Tensor or a.layout is not _STRIDED or a.dtype not in WINDOW_DTYPES
-                      or m > WINDOW_LIMITS.get(a.device, 0)):
+            if m and not fits_window(a):  # (a Parameter, a subclass, an integer or large tensor: measured at once)
                 return None
             versions[id(a)] = a._version
             n += m

@@ -33,7 +33,7 @@ from .stats import CHUNK_ELEMENTS, abs_min_max
 # elements are held and copied by its abs temporaries: 8 MiB of fp32, whatever the batch size).
 WINDOW_TENSORS = 256
 WINDOW_ELEMENTS = CHUNK_ELEMENTS
-WINDOW_DTYPES = _WINDOW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_WINDOW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -321,9 +321,16 @@ class StatBuffer:
 # tensors: there a dispatch costs ~1-6 us and no launch, so batching pays only where the dispatch outweighs the
 # work; above ~8K elements one-by-one abs + aminmax is faster (see _reduce_stacked).
 _window_max: dict[torch.device, int] = {}
-WINDOW_LIMITS = _window_max  # (read-only outside this module: a forward call waits only if its tensors fit)
 CPU_WINDOW_MAX_ELEMENTS = 1 << 12
 _cpu_stacks = [True]  # CPU windows stack tensors of one shape (see accelerator_path)
+
+
+def fits_window(t: torch.Tensor) -> bool:
+    """Would a window take ``t`` as the monitor gives it one (a plain strided non-empty float tensor within its
+    device's limit)? A forward call waits to be labelled only if all its tensors do (``StepRecord.defer``)."""
+    n = t.numel()
+    return (type(t) is torch.Tensor and t.layout is torch.strided and t.dtype in _WINDOW_DTYPES
+            and 0 < n <= _window_max.get(t.device, 0))
 
 
 @contextlib.contextmanager
