@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import Boom
+from conftest import Boom, leave_worker
 from torchdoctor import NonFiniteError, NumericsMonitor
 
 
@@ -144,3 +144,4 @@ def main(out: str, mode: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    leave_worker()  # (conftest: past a torch abort at interpreter exit)

@@ -19,7 +19,7 @@ import traceback
 import torch
 from torch import nn
 
-from conftest import Boom  # identity forward, a gradient times 1e39 (inf) in the backward when enabled
+from conftest import Boom, leave_worker  # identity forward, a gradient times 1e39 (inf) in the backward when enabled
 from torchdoctor import NonFiniteError, NumericsMonitor
 from torchdoctor.syncs import SyncCounter
 
@@ -334,3 +334,4 @@ def main(out_dir: str, cases: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
+    leave_worker()  # (conftest: past a torch abort at interpreter exit)

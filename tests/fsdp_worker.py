@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conftest import leave_worker
 from torchdoctor import NonFiniteError, NumericsMonitor
 from torchdoctor.syncs import SyncCounter
 
@@ -142,3 +143,4 @@ def main(out_dir: str, wrap: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    leave_worker()  # (conftest: past a torch abort at interpreter exit)
