@@ -18,6 +18,7 @@ import torch
 from conftest import t5_batch, tiny_t5
 from torchdoctor import NonFiniteError, NumericsMonitor
 from torchdoctor.numerics import windows as stats
+from torchdoctor.numerics.frames import KEY, LABEL
 from torchdoctor.numerics.windows import StatBuffer, accelerator_path, lookup, window_reduce_works
 from torchdoctor.syncs import OpCounter
 
@@ -477,3 +478,32 @@ def test_a_call_with_a_tensor_no_window_takes_is_measured_before_the_code_after_
         model(torch.randn(1, 8))
     assert waiting == [0]
     assert (exc.value.first.module, exc.value.first.slot) == ("lin", "output")
+
+
+@pytest.mark.parametrize("grads", ["params", "modules"])
+def test_a_steps_slots_are_left_untracked_by_the_garbage_collector(grads):
+    """Each labelled value of a step is a plain tuple of untracked values (issue 12): after one collection the
+    collector no longer tracks any, so the ~450-650 slots a T5 step makes are never promoted to the old
+    generations (promotions are what trigger full collections of the whole heap). A slot holding a fresh tuple
+    (a nested StatRef) or a named tuple / dataclass would stay tracked: the collector walks parents first."""
+    import gc
+
+    model, batch = tiny_t5(), t5_batch()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with NumericsMonitor(model, optimizer=opt, grads=grads) as mon:
+        for _ in range(2):
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        model(**batch).loss.backward()
+        mon._rec.settle()
+        slots = [s for f in mon._rec.frames for s in f.slots]
+        kept = [s for rec in mon._history for f in rec.frames for s in (*f.slots, *(f.weights or ()))]
+        gc.collect()
+        tracked = [s for s in slots + kept if gc.is_tracked(s)]
+        opt.step()
+    assert len(slots) > 100 and len(kept) > 20
+    assert sum(s[KEY] is not None for s in slots) > 50  # (measured ones among them, not only None slots)
+    assert tracked == []
+    if grads == "modules":
+        assert any(s[LABEL].startswith("grad_output") for s in slots)

@@ -38,20 +38,45 @@ class ModuleInfo:
     at_once: bool = False  # its outputs were seen changed in place before their window was reduced: measure at once
 
 
-@dataclass(slots=True)
-class Slot:
-    """One labelled value of a frame. ``ref`` is set when the value was measured on device;
-    otherwise ``kind`` says what the value was (``None``, ``not a tensor``, ``empty``, ``meta``...)."""
+# A *slot* is one labelled value of a frame, a plain tuple read by the indices below:
+#   label    "input[0]", "output[1]", "weight", "grad:weight", ...
+#   key, entry, buffer
+#            where its statistics are, the three parts of a StatRef (``s[KEY:BUFFER + 1]``, see slot_ref), when it
+#            was measured on device; all None otherwise
+#   kind     what the value was when not measured: "None", "not a tensor", "empty", "meta", ...
+#   dtype    its dtype (a tensor)
+#   inf_ref  compat mode: "also holds an inf" (abs max alone says only nan)
+#   scope    what the statistics cover when not the whole tensor ("local shard")
+#   param    a direct parameter measured while the module ran (ZeRO-3 gathers it only then)
+#   judged   may it stop the run? (inputs, and in compat mode what transformers never sees, not)
+#   nan_ref  compat mode, complex: "also holds a nan" (|inf + nan j| is inf)
+# Flat, and neither a dataclass nor a named tuple: one is made per labelled value on the hot path (~450 per T5 step
+# at "params", ~650 at "modules") and lives through the step. The garbage collector stops tracking a plain tuple
+# whose values are all untracked (strings, numbers, None, dtypes, the group keys, which are interned), but it walks
+# a collection parent first, so a tuple holding a fresh tuple (a StatRef) stays tracked past its first collection
+# and is promoted with the step's other survivors; promotions are what trigger full collections of the whole heap
+# (issue 12: every ~100-400 steps of the tiny T5, ~150-200 ms each).
+Slot = tuple
+LABEL, KEY, ENTRY, BUFFER, KIND, DTYPE, INF_REF, SCOPE, PARAM, JUDGED, NAN_REF = range(11)
+_NO_REF = (None, None, None)
 
-    label: str
-    ref: StatRef | None = None
-    kind: str | None = None
-    dtype: torch.dtype | None = None
-    inf_ref: StatRef | None = None  # compat mode: "also holds an inf" (abs max alone says only nan)
-    scope: str | None = None  # what the statistics cover when not the whole tensor ("local shard")
-    param: bool = False  # a direct parameter measured while the module ran (ZeRO-3 gathers it only then)
-    judged: bool = True  # may this slot stop the run? (inputs, and in compat mode what transformers never sees, not)
-    nan_ref: StatRef | None = None  # compat mode, complex: "also holds a nan" (|inf + nan j| is inf)
+
+def make_slot(label: str, ref: StatRef | None = None, kind: str | None = None, dtype: torch.dtype | None = None,
+              inf_ref: StatRef | None = None, scope: str | None = None, param: bool = False, judged: bool = True,
+              nan_ref: StatRef | None = None) -> Slot:
+    """A slot (the tuple above)."""
+    return (label, *(ref or _NO_REF), kind, dtype, inf_ref, scope, param, judged, nan_ref)
+
+
+def slot_ref(s: Slot) -> StatRef | None:
+    """Where the slot's statistics are, or None when it was not measured on device."""
+    return None if s[KEY] is None else s[KEY:BUFFER + 1]
+
+
+def relabelled(s: Slot, label: str, judged: bool | None = None) -> Slot:
+    """The same measured value under another label (an output passed on as the next module's input, a tied
+    weight under each module's name), judged or not as asked."""
+    return (label, *s[KEY:JUDGED], s[JUDGED] if judged is None else judged, s[NAN_REF])
 
 
 @dataclass(slots=True, eq=False)
@@ -146,12 +171,12 @@ def measure(buffer: StatBuffer, label: str, value: Any, judged: bool = True, par
         reason = shard_skip_reason(value, scope)
         if reason is not None:
             scope = None if reason == ELSEWHERE else scope
-            return Slot(label, kind=reason, dtype=value.dtype, scope=scope, param=param, judged=judged)
-        ref = buffer.add(value, judged, at_once)
-        return Slot(label, ref=ref, dtype=value.dtype, scope=scope, param=param, judged=judged)
+            return (label, None, None, None, reason, value.dtype, None, scope, param, judged, None)
+        key, entry, buffer_id = buffer.add(value, judged, at_once)
+        return (label, key, entry, buffer_id, None, value.dtype, None, scope, param, judged, None)
     if value is None:
-        return Slot(label, kind="None", judged=judged)
-    return Slot(label, kind=NOT_A_TENSOR, judged=judged)
+        return (label, None, None, None, "None", None, None, None, False, judged, None)
+    return (label, None, None, None, NOT_A_TENSOR, None, None, None, False, judged, None)
 
 
 def measure_now(label: str, t: torch.Tensor | None, param: bool = False) -> Line:
@@ -177,18 +202,19 @@ CHANGED_IN_PLACE = "measured after an in-place change"  # the value was changed 
 
 
 def _line(s: Slot, values: dict) -> Line:
-    if s.ref is None:
-        return Line(s.label, kind=s.kind, dtype=s.dtype, param=s.param, scope=s.scope, judged=s.judged)
-    if values.lost and s.ref[:2] in values.lost:
-        return Line(s.label, kind="freed", dtype=s.dtype, param=s.param, scope=s.scope, judged=s.judged)
-    mn, mx = lookup(values, s.ref)
-    scope, judged = s.scope, s.judged
-    if values.changed and s.ref[:2] in values.changed:  # not what the module returned: context
+    label, key, entry, buffer_id, kind, dtype, inf_ref, scope, param, judged, nan_ref = s
+    if key is None:
+        return Line(label, kind=kind, dtype=dtype, param=param, scope=scope, judged=judged)
+    if values.lost and (key, entry) in values.lost:
+        return Line(label, kind="freed", dtype=dtype, param=param, scope=scope, judged=judged)
+    ref = (key, entry, buffer_id)
+    mn, mx = lookup(values, ref)
+    if values.changed and (key, entry) in values.changed:  # not what the module returned: context
         scope, judged = (f"{scope}, {CHANGED_IN_PLACE}" if scope else CHANGED_IN_PLACE), False
-    has_inf = bool(lookup(values, s.inf_ref)[0]) if s.inf_ref is not None else None
-    has_nan = bool(lookup(values, s.nan_ref)[0]) if s.nan_ref is not None else None
-    return Line(s.label, mn, mx, dtype=s.dtype, param=s.param, ref=s.ref, has_inf=has_inf, scope=scope,
-                judged=judged, has_nan=has_nan)
+    has_inf = bool(lookup(values, inf_ref)[0]) if inf_ref is not None else None
+    has_nan = bool(lookup(values, nan_ref)[0]) if nan_ref is not None else None
+    return Line(label, mn, mx, dtype=dtype, param=param, ref=ref, has_inf=has_inf, scope=scope, judged=judged,
+                has_nan=has_nan)
 
 
 def resolve(frames: list[Frame], values: dict, weight_values: dict | None = None) -> list[ResolvedFrame]:

@@ -12,7 +12,6 @@ watched at their edges instead, where the monitor runs eagerly (:mod:`.compiled`
 
 from __future__ import annotations
 
-import functools
 import sys
 import weakref
 from typing import Any
@@ -21,7 +20,7 @@ import torch
 from torch import nn
 
 from .compiled import Region, keep_output_grads, root_call
-from .frames import BWD, FWD, MARK, Frame, ModuleInfo, Slot, measure
+from .frames import BWD, FWD, LABEL, MARK, Frame, ModuleInfo, measure, relabelled, slot_ref
 from .slots import labelled_outputs, visible_inputs, visible_outputs
 from .stats import finite_flags_of
 from .step import StepRecord
@@ -35,6 +34,17 @@ _CALL_IMPL = nn.Module._call_impl.__code__
 # The running backward's id, -1 outside a backward (then a forward is a real one, not recomputation). (Called
 # directly: every hook asks, and a Python wrapper around it cost more than the call.)
 _graph_task = torch._C._current_graph_task_id
+
+
+class _GradHook(list):
+    """The module-level gradient targets of one forward output, ``(module info, label, source ref)`` each, and the
+    tensor hook that measures its gradient for them: one object per hooked output where a list, a partial and a
+    bound method were three (fewer objects for the garbage collector to carry through the step)."""
+
+    __slots__ = ("monitor",)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.monitor._on_grad(self, grad)
 
 
 class Recording:
@@ -235,7 +245,7 @@ class Recording:
         rec.backward_ran = True
         slot = measure(rec.buffer, label, grad, at_once=True)  # the engine moves it into its buckets right after
         last = rec.frames[-1] if rec.frames else None
-        if last is not None and last.info is info and last.phase == BWD and last.slots[-1].label.startswith("grad:"):
+        if last is not None and last.info is info and last.phase == BWD and last.slots[-1][LABEL].startswith("grad:"):
             last.slots.append(slot)  # the module's other parameters: one frame per module
         else:
             rec.frames.append(Frame(self.step_index, BWD, info, [slot]))
@@ -247,15 +257,16 @@ class Recording:
                 continue
             key = id(v)
             seen = rec.seen.get(key)
-            source = seen[2].ref if seen is not None and seen[0]() is v else None
+            source = slot_ref(seen[2]) if seen is not None and seen[0]() is v else None
             entry = rec.grad_targets.get(key)
             if entry is not None and entry[0]() is v:
                 targets = entry[1]
                 targets.append((info, "grad_" + label, source))
             else:
-                targets = [(info, "grad_" + label, source)]
+                targets = _GradHook(((info, "grad_" + label, source),))
+                targets.monitor = self
                 rec.grad_targets[key] = (weakref.ref(v), targets)
-                v.register_hook(functools.partial(self._on_grad, targets))
+                v.register_hook(targets)
             if source is None and rec.calls:  # its forward call waits: the source is known once it is measured
                 rec.unsourced.append((key, weakref.ref(v), targets, len(targets) - 1))
 
@@ -269,15 +280,16 @@ class Recording:
         if type(grad) is torch.Tensor and grad.layout is torch.strided:  # the common case: into a window
             ref = rec.buffer.wait(grad, True, grad._version)
         label = targets[0][1]
-        measured = Slot(label, ref, None, grad.dtype) if ref is not None else measure(rec.buffer, label, grad)
+        measured = (label, *ref, None, grad.dtype, None, None, False, True, None) if ref is not None else measure(
+            rec.buffer, label, grad)
         params = self._engine.grads_at_report
         step = self.step_index
         seen_modules = set()
         for info, label, source in targets:
             first_for_module = id(info) not in seen_modules
             seen_modules.add(id(info))
-            slot = Slot(label, measured.ref, measured.kind, measured.dtype, None, measured.scope)
-            rec.frames.append(Frame(step, BWD, info, [slot], False, first_for_module and params, False, source))
+            rec.frames.append(Frame(step, BWD, info, [relabelled(measured, label)], False, first_for_module and params,
+                                    False, source))
 
     # ------------------------------------------------------------------ compiled regions' edges
     def _region_enter(self, region: Region, module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .frames import Frame, Slot, measure
+from .frames import ENTRY, INF_REF, KEY, LABEL, Frame, Slot, make_slot, measure, relabelled, slot_ref
 from .slots import (
     INPUT_LABELS,
     NOT_A_TENSOR,
@@ -59,7 +59,7 @@ def _fixed_slot(label: str, kind: str, judged: bool) -> Slot:
     cache = (_NONE_SLOTS if kind == "None" else _OTHER_SLOTS)[judged]
     if len(cache) > 4096:  # labels are few (input[i], output[name]); bound it anyway
         cache.clear()
-    slot = cache[label] = Slot(label, kind=kind, judged=judged)
+    slot = cache[label] = make_slot(label, kind=kind, judged=judged)
     return slot
 
 
@@ -157,9 +157,9 @@ class StepRecord:
         if self.unsourced:
             for key, ref, targets, i in self.unsourced:
                 seen = self.seen.get(key)
-                if seen is not None and seen[0]() is ref() and seen[2].ref is not None:
+                if seen is not None and seen[0]() is ref() and seen[2][KEY] is not None:
                     info, label, _ = targets[i]
-                    targets[i] = (info, label, seen[2].ref)
+                    targets[i] = (info, label, slot_ref(seen[2]))
             self.unsourced.clear()
 
     def call_slots(self, args: tuple, kwargs: dict | None, output: Any, at_once: bool,
@@ -209,9 +209,9 @@ class StepRecord:
         seen = self.seen.get(key)
         if seen is not None and seen[1] == version and seen[0]() is value:
             s = seen[2]
-            ref = s.ref
-            if ref is None or ref[0][0] or not judged:  # (ref[0][0]: its group is judged)
-                return Slot(label, ref, s.kind, s.dtype, s.inf_ref, s.scope, s.param, judged, s.nan_ref)
+            key = s[KEY]
+            if key is None or key[0] or not judged:  # (key[0]: its group is judged)
+                return relabelled(s, label, judged)
         ref = None
         if not hf and type(value) is torch.Tensor and value.layout is _STRIDED:
             # the common case, checked once: a window takes it (never an empty, meta or quantized tensor), or it is
@@ -220,7 +220,7 @@ class StepRecord:
             if ref is None and value.numel() and not value.is_meta and not value.is_quantized:
                 ref = self.buffer.add(value, judged, True)
         if ref is not None:
-            slot = Slot(label, ref, None, value.dtype, None, None, False, judged)
+            slot = (label, *ref, None, value.dtype, None, None, False, judged, None)
         else:
             slot = self._measure(label, value, judged, hf, at_once)
         self.seen[key] = (weakref.ref(value), version, slot)
@@ -230,12 +230,14 @@ class StepRecord:
         # compat mode measures at once: transformers reads each value as its module returns it, and parity with
         # it (a later in-place change must not show) is that surface's point
         slot = measure(self.buffer, label, value, judged, at_once=at_once or hf)
-        if hf and slot.ref is not None and (value.dtype.is_floating_point or value.dtype.is_complex):
+        if hf and slot[KEY] is not None and (value.dtype.is_floating_point or value.dtype.is_complex):
             # transformers prints "has infs" next to "has nans" for a tensor holding both; abs max
             # cannot tell, so compat mode pays one more reduction per tensor to know
-            slot.inf_ref = self.buffer.add_flag(has_inf(value))
+            inf_ref = self.buffer.add_flag(has_inf(value))
+            nan_ref = None
             if value.dtype.is_complex:  # |inf + nan j| is inf: the nan needs its own flag
-                slot.nan_ref = self.buffer.add_flag(torch.isnan(value.detach()).any())
+                nan_ref = self.buffer.add_flag(torch.isnan(value.detach()).any())
+            slot = (*slot[:INF_REF], inf_ref, *slot[INF_REF + 1:-1], nan_ref)
         return slot
 
     def keep_for_context(self, max_frames: int) -> None:
@@ -255,10 +257,7 @@ class StepRecord:
                 if self.weights is None:
                     self.weights = StatBuffer()
                 slot = per_param[id(p)] = measure(self.weights, name, p, param=True)
-            if slot.label == name:
-                return slot
-            return Slot(name, slot.ref, slot.kind, slot.dtype, slot.inf_ref, slot.scope, slot.param, slot.judged,
-                        slot.nan_ref)
+            return slot if slot[LABEL] == name else relabelled(slot, name)
 
         for f in self.frames:
             f.with_param_grads = False
@@ -278,8 +277,8 @@ class StepRecord:
         ``x += residual``): their modules are measured at once from now on (this step's lines say so)."""
         changed = self.buffer.changed
         for f in self.frames:
-            if not f.info.at_once and any(s.ref is not None and s.ref[:2] in changed
-                                          and s.label.startswith("output") for s in f.slots):
+            if not f.info.at_once and any(s[KEY] is not None and s[KEY:ENTRY + 1] in changed
+                                          and s[LABEL].startswith("output") for s in f.slots):
                 f.info.at_once = True
 
     def activation_flag(self) -> torch.Tensor | None:

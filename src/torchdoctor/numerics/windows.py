@@ -39,13 +39,15 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 GroupKey = tuple[bool, torch.device, torch.dtype]  # (judged, device, dtype)
 _BUFFER_IDS = itertools.count(1)
+_KEYS: dict[GroupKey, GroupKey] = {}  # one object per group key, for every buffer: untracked by the collector once
 
 
 # Where a tensor's (abs min, abs max) pair lives in a StatBuffer: ``(group key, entry, buffer id)`` -- its group,
 # its number within the group in the order it was added, and which buffer (refs of two steps, or of a step and its
 # re-run, never compare equal). A plain tuple, neither a named tuple nor a dataclass: one is made per measured
 # tensor on the hot path, and the garbage collector stops tracking plain tuples of untracked values (a named tuple
-# it tracks for ever: ~170-330 more tracked objects per T5 step, promoted, then full collections).
+# it tracks for ever: ~170-330 more tracked objects per T5 step, promoted, then full collections). Its group key
+# is interned (``_KEYS``), and a frame's slot holds its three parts flat, not the tuple (``frames.Slot``).
 StatRef = tuple  # tuple[GroupKey, int, int]
 
 
@@ -63,9 +65,10 @@ class StatValues(dict):
 class _Group:
     """One (judged, device, dtype) group: entries added, windows waiting, and reduced pieces."""
 
-    __slots__ = ("count", "pending", "pending_elements", "pieces", "order", "pairs", "pair_order")
+    __slots__ = ("key", "count", "pending", "pending_elements", "pieces", "order", "pairs", "pair_order")
 
-    def __init__(self) -> None:
+    def __init__(self, key: GroupKey) -> None:
+        self.key = key  # the interned key its StatRefs hold (untracked: a slot holding only it untracks at once)
         self.count = 0
         self.pending: list[tuple[int, torch.Tensor, int]] = []  # (entry, tensor, version) in the window
         self.pending_elements = 0
@@ -142,7 +145,7 @@ class StatBuffer:
     def _group(self, key: GroupKey) -> _Group:
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = _Group()
+            group = self._groups[key] = _Group(_KEYS.setdefault(key, key))
         return group
 
     def add(self, t: torch.Tensor, judged: bool = True, at_once: bool = False) -> StatRef:
@@ -179,14 +182,14 @@ class StatBuffer:
         group.pending_elements += n
         if len(pending) >= WINDOW_TENSORS or group.pending_elements >= WINDOW_ELEMENTS:
             self._reduce(key, group)
-        return (key, entry, self._id)
+        return (group.key, entry, self._id)
 
     def _put(self, key: GroupKey, mn: torch.Tensor, mx: torch.Tensor) -> StatRef:
         group = self._group(key)
         entry = group.count
         group.count = entry + 1
         group.put_pair(entry, mn, mx)
-        return (key, entry, self._id)
+        return (group.key, entry, self._id)
 
     def _reduce(self, key: GroupKey, group: _Group) -> None:
         """Reduce one group's window (see the module docstring for the two ways). Never an exception into the run:
