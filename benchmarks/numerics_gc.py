@@ -38,23 +38,12 @@ def child(variant: str, steps: int) -> dict:
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from numerics_dispatch import batch_of, t5
-    from torchdoctor import NumericsMonitor
+    from numerics_dispatch import Variant, batch_of, t5  # (the same tiny T5, monitor and step)
 
     torch.set_num_threads(1)
-    model, batch = t5(32, 64, 4, 2, 16, 128, gated=False), batch_of(128, 1, 8, 8)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    mon = NumericsMonitor(model, optimizer=opt, grads=variant) if variant != "bare" else None
-    if mon is not None:
-        mon.__enter__()
-
-    def step() -> None:
-        model(**batch).loss.backward()
-        opt.step()
-        opt.zero_grad()
-
+    run, batch = Variant(variant, t5(32, 64, 4, 2, 16, 128, gated=False)), batch_of(128, 1, 8, 8)
     for _ in range(10):
-        step()
+        run.step(batch)
     started: list[float] = []
     count, spent = [0, 0, 0], [0.0, 0.0, 0.0]
 
@@ -68,11 +57,10 @@ def child(variant: str, steps: int) -> dict:
     gc.callbacks.append(on_gc)
     t0 = time.thread_time()
     for _ in range(steps):
-        step()
+        run.step(batch)
     elapsed = time.thread_time() - t0
     gc.callbacks.remove(on_gc)
-    if mon is not None:
-        mon.__exit__(None, None, None)
+    run.close()
     return {"step_ms": elapsed / steps * 1e3, "gc_ms_per_step": sum(spent) / steps * 1e3,
             "collections": count, "ms_per_collection": [s / c * 1e3 if c else None for s, c in zip(spent, count)],
             "objects": len(gc.get_objects())}
