@@ -18,6 +18,8 @@ from torchdoctor.logs import wrap
 from torchdoctor.logs.analyze import analyze_stream
 from torchdoctor.logs.wrap_pump import StreamText, decode_lines
 
+pytestmark = pytest.mark.machine  # real runs read this machine's memory, cgroup and kernel log
+
 PY = sys.executable
 FIX = Path(__file__).parent / "fixtures" / "logs"
 

@@ -2,6 +2,11 @@
 kernel module's version.
 
 One reader each, so ``env``, ``ds memory``, ``comm`` and ``run`` agree.
+
+``TORCHDOCTOR_UNREADABLE`` (comma-separated: ``kernel-log``, ``cgroup``) makes torchdoctor act as on a machine
+that does not let a process read those sources -- no kernel log (``dmesg``, ``/dev/kmsg``, ``journalctl``), no
+cgroup files -- so what it says there can be seen (and tested) on any machine. ``make test`` runs the tests
+that read the machine a second time with both hidden.
 """
 
 from __future__ import annotations
@@ -11,6 +16,15 @@ import re
 
 GIB = 1024**3
 MIB = 1024**2
+
+UNREADABLE_ENV = "TORCHDOCTOR_UNREADABLE"
+UNREADABLE_SOURCES = ("kernel-log", "cgroup")
+
+
+def unreadable(source: str) -> bool:
+    """Whether ``TORCHDOCTOR_UNREADABLE`` hides ``source`` (one of ``UNREADABLE_SOURCES``)."""
+    assert source in UNREADABLE_SOURCES, source
+    return source in {s.strip() for s in os.environ.get(UNREADABLE_ENV, "").split(",")}
 
 
 def read_meminfo() -> dict[str, int]:
@@ -29,7 +43,9 @@ def read_meminfo() -> dict[str, int]:
 
 
 def _cgroup_dirs() -> list[str]:
-    """This process's memory-cgroup directories, v2 and v1, most specific first."""
+    """This process's memory-cgroup directories, v2 and v1, most specific first (none when hidden)."""
+    if unreadable("cgroup"):
+        return []
     dirs: list[str] = []
     try:
         with open("/proc/self/cgroup") as f:

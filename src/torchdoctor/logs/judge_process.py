@@ -24,11 +24,13 @@ def who(k: dict) -> str:
     return s
 
 
-SIGKILL_SENDERS = (
+# Who sends SIGKILL besides the OOM killer: the same list whichever way the kernel log was (or could not be) read.
+SIGKILL_OTHER_SENDERS = (
     "who else sends SIGKILL, and how to tell: the job scheduler at its time limit, on scancel or on preemption "
     "(Slurm: sacct -j JOBID -o JobID,State,ExitCode,Elapsed,Timelimit,MaxRSS,ReqMem -- State TIMEOUT, CANCELLED, "
     "PREEMPTED or OUT_OF_MEMORY), a `kill -9` by a user or a watchdog, a launcher stopping the other ranks after one "
-    "failed (look for the first rank that failed); the OOM killer leaves a 'Killed process PID' line in dmesg -T")
+    "failed (look for the first rank that failed)")
+SIGKILL_SENDERS = SIGKILL_OTHER_SENDERS + "; the OOM killer leaves a 'Killed process PID' line in dmesg -T"
 _LOCAL = {"localhost", "127.0.0.1", "::1", "localhost.localdomain"}
 
 
@@ -67,9 +69,6 @@ class ProcessJudge:
             run = self._run
             if run is not None and primary["host"] and run.get("host") and not same_host(primary["host"], run["host"]):
                 run = None
-            sched = ("check who else sends SIGKILL: the job scheduler's record (Slurm: sacct -j JOBID -o "
-                     "State,ExitCode,MaxRSS,ReqMem,Timelimit), a watchdog or parent process that kills its workers "
-                     "with kill -9")
             if sig == 9:
                 fix = [
                     "dmesg -T | grep -i oom (or journalctl -k | grep -i oom) on that host confirms an OOM kill",
@@ -90,7 +89,7 @@ class ProcessJudge:
                     cause = ("not the kernel's OOM killer: torchdoctor run found no OOM-killer entry for the "
                              "command's processes in the kernel log, and memory never ran low -- something else sent "
                              "SIGKILL")
-                    fix = [sched]
+                    fix = [SIGKILL_OTHER_SENDERS]
                     if run.get("exit_code") == 0:
                         sev = "warn"  # the command carried on and succeeded
                 elif run is not None and run["memory_low"] is False and (self._cpu_mem_pct_max or 0) < 80:

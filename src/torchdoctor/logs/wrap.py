@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._system import GIB, MIB, cgroup_memory, fmt_bytes, read_meminfo, read_text
+from .._system import GIB, MIB, UNREADABLE_ENV, cgroup_memory, fmt_bytes, read_meminfo, read_text, unreadable
 from ..findings import Finding
 from .analyze import signal_name as signame
 from .wrap_findings import (  # noqa: F401 -- re-exported: the findings are part of this module's API
@@ -74,6 +74,8 @@ class KernelLog:
 
 def memcg_limit(path: str) -> int | None:
     """The memory limit of the cgroup ``path`` (as the kernel names it, e.g. ``/slurm/uid_1/job_7``)."""
+    if unreadable("cgroup"):
+        return None
     for f in (f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes", f"/sys/fs/cgroup{path}/memory.max",
               f"/sys/fs/cgroup/unified{path}/memory.max"):
         text = (read_text(os.path.normpath(f)) or "").strip()
@@ -148,6 +150,8 @@ def _newer_oom_lines(text: str, pids: set[int]) -> list[str]:
 
 def read_kernel_oom(pids: set[int]) -> KernelLog:
     """The kernel's OOM-killer lines about ``pids``, from the first kernel log we are allowed to read."""
+    if unreadable("kernel-log"):
+        return KernelLog(False, f"kernel log not readable (hidden by {UNREADABLE_ENV}=kernel-log)")
     sources = (
         ("dmesg -T", lambda: _run_quiet(["dmesg", "-T"], 3.0)),
         ("/dev/kmsg", _read_kmsg),

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from .._system import fmt_bytes
 from ..findings import Finding
-from .judge_process import SIGKILL_SENDERS
+from .judge_process import SIGKILL_OTHER_SENDERS, SIGKILL_SENDERS
 
 if TYPE_CHECKING:
     from .wrap import RunResult
@@ -220,7 +220,9 @@ def exit_finding(r: RunResult) -> Finding:
         if confirmed is not True:
             sched = ("check the job scheduler's record (Slurm: sacct -j JOBID -o State,ExitCode,MaxRSS,ReqMem,"
                      "Timelimit) and who else could `kill -9` it")
-            if confirmed is False or low is False:
+            if confirmed is False:  # the kernel log was read: the OOM killer is ruled out
+                fix = [SIGKILL_OTHER_SENDERS, *fix]
+            elif low is False:
                 fix = [SIGKILL_SENDERS, *fix]
             else:
                 fix = [*fix, "if it was not memory: " + sched]
