@@ -13,8 +13,8 @@ import pytest
 SRC = str(Path(__file__).parent.parent / "src")
 
 
-def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": SRC}
+def run_cli(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": SRC, **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "torchdoctor", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
@@ -46,6 +46,13 @@ def test_demo_finds_the_overflow_and_the_fix_works(tmp_path):
         (["--steps", "-1"], "--steps: must be at least 1, got -1"),
         (["--steps", "abc"], "--steps: must be a whole number of steps (1 or more), got 'abc'"),
         (["--steps", "1.5"], "--steps: must be a whole number of steps (1 or more), got '1.5'"),
+        (["--steps", "1001"], "--steps: at most 1000 (the demo shows the same at 6), got 1001"),
+        (["--steps", "9" * 40], "--steps: at most 1000"),
+        (["--seed", "99999999999999999999"], "--seed: must be from 0 to 2**64-2 (18446744073709551614), got "
+                                             "99999999999999999999"),
+        (["--seed", str(2**64 - 1)], "--seed: must be from 0 to 2**64-2"),
+        (["--seed", "-1"], "--seed: must be from 0 to 2**64-2"),
+        (["--seed", "x"], "--seed: must be a whole number (0 to 2**64-2), got 'x'"),
         (["--level", "x"], "unrecognized arguments: --level x"),
     ],
 )
@@ -63,3 +70,53 @@ def test_demo_with_one_step_reports_and_fixes_without_a_traceback(tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "try around the with block" in proc.stdout and "all finite: the fix works" in proc.stdout
+
+
+def test_demo_takes_the_largest_seed(tmp_path):
+    """2**64-2 is the last seed torch takes for both of the demo's generators (seed and seed + 1)."""
+    proc = run_cli("demo", "--json", "--steps", "1", "--seed", str(2**64 - 2), "--report-dir", str(tmp_path))
+    assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["seed"] == 2**64 - 2
+
+
+@pytest.mark.parametrize("where, says", [
+    ("{file}", "exists and is not a folder"),
+    ("{file}/reports", "cannot be written: Not a directory"),
+    ("/proc/1/torchdoctor-reports", "cannot be written: "),  # /proc takes no folders, not even root's
+    ("", "is empty; pass a folder"),
+])
+def test_demo_refuses_a_report_dir_it_cannot_write_before_training(tmp_path, where, says):
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    where = where.format(file=file)
+    proc = run_cli("demo", "--report-dir", where, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-2000:]
+    assert proc.stderr.splitlines() == [f"torchdoctor demo: --report-dir {where}: " + proc.stderr.split(": ", 2)[2]
+                                        .rstrip("\n")]
+    assert says in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_demo_creates_a_missing_report_dir_with_its_parents(tmp_path):
+    where = tmp_path / "new" / "reports"
+    proc = run_cli("demo", "--steps", "2", "--report-dir", str(where))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert {p.name for p in where.iterdir()} == {"torchdoctor-nonfinite-rank0.txt", "torchdoctor-nonfinite-rank0.json"}
+    assert f"(report also written to {where}/torchdoctor-nonfinite-rank0.txt and .json)" in proc.stdout
+
+
+@pytest.mark.parametrize("json_out", [False, True], ids=["text", "json"])
+def test_demo_leaves_no_temporary_folder_behind(tmp_path, json_out):
+    """Without --report-dir the report goes to a folder of its own in TMPDIR, removed at exit: runs do not pile up."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    for _ in range(2):
+        proc = run_cli("demo", "--steps", "2", *(["--json"] if json_out else []), env={"TMPDIR": str(tmp)})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        # torch keeps one cache folder of its own there (torchinductor_<user>); ours must be gone
+        assert [p.name for p in tmp.iterdir() if p.name.startswith("torchdoctor")] == []
+    if json_out:
+        doc = json.loads(proc.stdout)
+        assert doc["report_files"] is None  # nothing kept to point at
+    else:
+        assert "in a temporary folder removed at exit; --report-dir DIR keeps them" in proc.stdout
+        assert str(tmp) not in proc.stdout

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torchdoctor import jsonfile
-from torchdoctor.jsonfile import MAX_DEPTH, JsonFileError, dumps, json_safe, load_object, located
+from torchdoctor.jsonfile import MAX_DEPTH, JsonFileError, dumps, json_safe, load_object, located, read_limited
 
 SRC = Path(__file__).parent.parent / "src" / "torchdoctor"
 
@@ -165,6 +165,37 @@ def test_any_bytes_give_an_object_or_a_json_file_error(tmp_path, content):
         assert str(e).startswith(path)
         return
     assert isinstance(got, dict)
+
+
+# -- bounded reading ---------------------------------------------------------------------------------------------
+
+
+def test_a_regular_file_past_the_cap_is_refused_by_its_size(tmp_path):
+    path = write(tmp_path, "c.json", b"x" * 11)
+    with pytest.raises(JsonFileError) as e:
+        read_limited(path, "a DeepSpeed config", limit=10)
+    assert str(e.value) == (f"{path}: 11 bytes, more than the 10 bytes torchdoctor reads of a DeepSpeed config; "
+                            "one is a few KB: is it the right file?")
+    assert read_limited(path, "a DeepSpeed config", limit=11) == (path, b"x" * 11)
+
+
+def test_standard_input_past_the_cap_is_refused_there(monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"y" * 11)))
+    with pytest.raises(JsonFileError, match=r"^<stdin>: a stream that did not end within 10 bytes, the most "):
+        read_limited("-", "a DeepSpeed config", limit=10)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"y" * 10)))
+    assert read_limited("-", "a DeepSpeed config", limit=10) == ("<stdin>", b"y" * 10)
+
+
+def test_the_default_cap_is_16_mib_and_load_object_uses_it(tmp_path):
+    """(Endless sources -- /dev/zero, FIFOs, stdin -- are tested through the CLI under a memory limit:
+    tests/test_inputs_bounds.py.)"""
+    assert jsonfile.MAX_BYTES == 16 << 20
+    path = tmp_path / "sparse.json"
+    with open(path, "wb") as f:
+        f.truncate(jsonfile.MAX_BYTES + 1)  # sparse: refused by its size, never read
+    with pytest.raises(JsonFileError, match=r": 16,777,217 bytes, more than the 16 MiB torchdoctor reads of a config"):
+        load_object(str(path), "a config")
 
 
 # -- writing ---------------------------------------------------------------------------------------------------

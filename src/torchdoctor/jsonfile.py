@@ -4,6 +4,9 @@
 go wrong is a :class:`JsonFileError` whose message is ready to print -- never a traceback:
 
 - a missing file, a directory, an unreadable file;
+- more than :data:`MAX_BYTES` (16 MiB; a config is a few KB): a file that size is refused before it is read, and a
+  pipe, standard input or a device that never ends (``/dev/zero``, ``cat /dev/zero |``) is read up to the cap and
+  refused there, so memory stays bounded whatever the source (a FIFO is read as it is written: ``<(...)`` works);
 - a pickle: ``.bin``/``.pt``/``.pkl``... refused by name before it is opened, and pickle / ``torch.save`` bytes
   refused by their first bytes, never unpickled (unpickling runs whatever code the file names);
 - bytes that are not UTF-8 (a BOM is fine), an empty file;
@@ -14,26 +17,33 @@ go wrong is a :class:`JsonFileError` whose message is ready to print -- never a 
 - a top level that is not an object.
 
 ``NaN`` / ``Infinity`` are accepted, as ``json.load`` (and so DeepSpeed and transformers) accepts them; the checks
-judge them. To write JSON that stays valid whatever it holds, use :func:`dumps`: non-finite floats become the
-strings ``"nan"``, ``"inf"``, ``"-inf"``.
+judge them. To write JSON that stays valid whatever it holds, use :func:`dumps`, which every ``--json`` goes
+through: non-finite floats become the strings ``"nan"``, ``"inf"``, ``"-inf"`` (see :func:`json_safe` for why
+strings rather than null).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import json.decoder
 import json.scanner
 import math
 import os
 import re
+import stat
 import sys
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["JsonFileError", "load_object", "located", "dumps", "json_safe", "MAX_DEPTH", "PICKLE_SUFFIXES",
-           "PICKLE_HINT"]
+__all__ = ["JsonFileError", "load_object", "read_limited", "located", "dumps", "json_safe", "MAX_DEPTH", "MAX_BYTES",
+           "PICKLE_SUFFIXES", "PICKLE_HINT"]
 
 MAX_DEPTH = 100
+# The most torchdoctor reads of one JSON file. DeepSpeed configs, TrainingArguments and model config.json files are
+# a few KB; the cap is what keeps `ds check /dev/zero` from reading until the machine runs out of memory.
+MAX_BYTES = 16 << 20
+_CHUNK = 1 << 20
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 PICKLE_HINT = "torchdoctor never unpickles files (loading a pickle runs any code inside it); pass a JSON file."
 STDIN = "-"
@@ -182,20 +192,85 @@ def _depth(obj: Any) -> int:
 # -- the reader ------------------------------------------------------------------------------------------------
 
 
-def _read(path: str, what: str, pickle_hint: str) -> tuple[str, bytes]:
+def _mib(n: int) -> str:
+    return f"{n >> 20} MiB" if n % (1 << 20) == 0 else f"{n:,} bytes"
+
+
+def _read_at_most(f: Any, limit: int) -> bytes:
+    """Up to ``limit + 1`` bytes of the buffered stream ``f``: one byte more than allowed says the source is too big,
+    without reading on. A short read is the end: a terminal's Ctrl-D is not sticky, and reading on would wait for more.
+    """
+    chunks, n = [], 0
+    while n <= limit:
+        want = min(_CHUNK, limit + 1 - n)
+        b = f.read(want)
+        chunks.append(b)
+        n += len(b)
+        if len(b) < want:
+            break
+    return b"".join(chunks)
+
+
+def _source_kind(mode: int | None) -> str:
+    if mode is None:
+        return "a stream"
+    if stat.S_ISFIFO(mode):
+        return "a pipe"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a file"
+
+
+def _mode(f: Any) -> int | None:
+    try:
+        return os.fstat(f.fileno()).st_mode
+    except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
+        return None
+
+
+def _too_big(name: str, what: str, limit: int, mode: int | None, size: int | None = None) -> JsonFileError:
+    if size is not None:
+        head = f"{name}: {size:,} bytes, more than the {_mib(limit)} torchdoctor reads of {what}"
+    else:
+        head = (f"{name}: {_source_kind(mode)} that did not end within {_mib(limit)}, the most torchdoctor reads "
+                f"of {what}")
+    return JsonFileError(f"{head}; one is a few KB: is it the right file?")
+
+
+def read_limited(path: str, what: str, *, limit: int = MAX_BYTES, pickle_hint: str = PICKLE_HINT) -> tuple[str, bytes]:
+    """(the name to show, the bytes) of the file at ``path`` (``-``: standard input), at most ``limit`` bytes.
+
+    A regular file larger than ``limit`` is refused unread; a pipe, standard input or a device is read up to
+    ``limit`` and refused when it goes on, so nothing reads without end. Pickle names are refused unopened.
+
+    Raises:
+        JsonFileError: the message names the file and says why (missing, a directory, unreadable, too big).
+    """
     if not path:
         raise JsonFileError(f"an empty file name: pass {what} (a JSON file, or - for standard input)")
     if path == STDIN:
         try:
-            return _STDIN_NAME, sys.stdin.buffer.read()
+            stream = sys.stdin.buffer
+            mode = _mode(stream)
+            raw = _read_at_most(stream, limit)
         except (OSError, AttributeError, ValueError) as e:
             raise JsonFileError(f"{_STDIN_NAME}: cannot read standard input: {e}") from None
+        if len(raw) > limit:
+            raise _too_big(_STDIN_NAME, what, limit, mode)
+        return _STDIN_NAME, raw
     if path.lower().endswith(PICKLE_SUFFIXES):
         raise JsonFileError(f"{path}: a {os.path.splitext(path)[1]} file is a pickle (torch.save), not JSON. "
                             + pickle_hint)
     try:
         with open(path, "rb") as f:
-            return path, f.read()
+            st = os.fstat(f.fileno())
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError
+            if stat.S_ISREG(st.st_mode) and st.st_size > limit:
+                raise _too_big(path, what, limit, st.st_mode, st.st_size)
+            raw = _read_at_most(f, limit)
     except FileNotFoundError:
         raise JsonFileError(f"{path}: no such file ({what})") from None
     except IsADirectoryError:
@@ -204,6 +279,9 @@ def _read(path: str, what: str, pickle_hint: str) -> tuple[str, bytes]:
         if os.path.isdir(path):
             raise JsonFileError(f"{path}: is a directory; pass {what} (a JSON file)") from None
         raise JsonFileError(f"{path}: cannot read it: {e.strerror or e}") from None
+    if len(raw) > limit:  # a device, a pipe, or a file that grew while it was read
+        raise _too_big(path, what, limit, st.st_mode)
+    return path, raw
 
 
 def load_object(path: str, what: str = "a JSON object", *, pickle_hint: str = PICKLE_HINT) -> dict:
@@ -217,7 +295,7 @@ def load_object(path: str, what: str = "a JSON object", *, pickle_hint: str = PI
     Raises:
         JsonFileError: see the module docstring; the message names the file (``file:line:col`` when it can).
     """
-    name, raw = _read(path, what, pickle_hint)
+    name, raw = read_limited(path, what, pickle_hint=pickle_hint)
     # Protocol 2+ pickles start with 0x80 <protocol>; torch.save's zip format with PK\x03\x04. Sniffed, never loaded.
     if (len(raw) >= 2 and raw[0] == 0x80 and 2 <= raw[1] <= 5) or raw.startswith(b"PK\x03\x04"):
         raise JsonFileError(f"{name}: this is a pickle / torch.save file, not JSON. " + pickle_hint)

@@ -1,12 +1,15 @@
-"""Message sizes for ``--sizes``: a list (``1K,1M,64M``) or a geometric range (``1K:64M``, ``8:1G:4``)."""
+"""Message sizes for ``--sizes``: a list (``1K,1M,64M``) or a geometric range (``1K:64M``, ``8:1G:4``).
+
+Each size is read by :func:`torchdoctor.units.parse_bytes`, as every size flag is: ``64K`` / ``64KiB`` = 64 x 2^10
+bytes, ``64KB`` = 64 x 10^3, a plain number is bytes. Whole numbers only (``1.5K`` is refused: a message size is
+typed as nccl-tests' ``-b``/``-e`` are).
+"""
 
 from __future__ import annotations
 
-import re
+from ..units import SizeError as _UnitsError
+from ..units import parse_bytes
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40,
-          "TIB": 1 << 40}
 MAX_BYTES = 1 << 40
 
 
@@ -15,13 +18,13 @@ class SizeError(ValueError):
 
 
 def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise SizeError(f"{text!r} is not a size (examples: 512, 64K, 1M, 2G)")
-    value = int(m.group(1)) * _UNITS[m.group(2).upper()]
+    try:
+        value = parse_bytes(text, plain=1, decimals=False, examples="512, 64K, 1M, 2G, 1MB")
+    except _UnitsError as e:
+        raise SizeError(str(e)) from None
     if not 0 < value <= MAX_BYTES:
         raise SizeError(f"{text!r}: a size must be between 1 byte and 1T")
-    return value
+    return int(value)
 
 
 def parse_sizes(text: str) -> list[int]:

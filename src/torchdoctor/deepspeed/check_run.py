@@ -15,6 +15,14 @@ from ..findings import render_text, use_color
 from ..jsonfile import dumps
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+EXAMPLES = [
+    ("torchdoctor ds check ds_config.json", "lint a config for deepspeed.initialize"),
+    ("torchdoctor ds check ds_config.json --world-size 8", "... and its batch sizes for 8 data-parallel ranks"),
+    ("torchdoctor ds check ds_config.json --for hf", "a config passed to the HF Trainer (it fills \"auto\")"),
+    ("torchdoctor ds check - --json < ds_config.json", "from standard input, as JSON"),
+]
+EXIT_CODES = [(EXIT_OK, "nothing failed"), (EXIT_PROBLEMS, "a check failed (DeepSpeed would refuse the config or "
+              "the run would break)"), (EXIT_USAGE, "bad usage or an unreadable config"), (130, "interrupted (Ctrl-C)")]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +48,13 @@ def _world_size(text: str | None) -> int | None:
     return n
 
 
+def _is_terminal(stream) -> bool:
+    try:
+        return bool(stream is not None and stream.isatty())
+    except (ValueError, OSError):  # closed
+        return False
+
+
 def _probe() -> tuple[list[str], str | None]:
     """(GPU compute capabilities, libaio path or None): cheap, torch is the only package imported."""
     from ..env import probe
@@ -61,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     if for_ not in config_check.FOR_CHOICES:
         print(f"torchdoctor ds check: --for must be one of {', '.join(config_check.FOR_CHOICES)}", file=sys.stderr)
         return EXIT_USAGE
+    if args.config == "-" and _is_terminal(sys.stdin):  # otherwise a newcomer's `ds check -` just sits there
+        print("torchdoctor ds check: reading the config from standard input (end it with Ctrl-D)", file=sys.stderr)
     try:
         config = config_check.load(args.config)
     except config_check.ConfigError as e:

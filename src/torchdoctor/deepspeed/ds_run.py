@@ -18,12 +18,25 @@ SUBCOMMANDS = {
 }
 
 
+EXAMPLES = [
+    ("torchdoctor ds check ds_config.json --world-size 8", "lint a config for 8 data-parallel ranks"),
+    ("torchdoctor ds memory --params 7B --gpus-per-node 8 --gpu-mem 80GiB", "will a 7B model fit, and how?"),
+    ("torchdoctor ds SUBCOMMAND --help", "a subcommand's options, examples and exit codes"),
+]
+EXIT_CODES = [(0, "nothing failed"), (1, "a check failed"),
+              (2, "bad usage or an unreadable file"), (130, "interrupted (Ctrl-C)")]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..cli import describe
+
     sub = parser.add_subparsers(dest="ds_command", metavar="SUBCOMMAND")
     for name, (module, summary) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=summary, description=summary)
-        p.set_defaults(_ds_module=module)
-        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(_ds_module=module, _sub_parser=p)  # _sub_parser: whose usage an unknown argument gets
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        describe(p, mod)
     parser.set_defaults(_ds_parser=parser)
 
 

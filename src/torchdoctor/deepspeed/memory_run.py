@@ -18,7 +18,6 @@ counted), or ``--model-class``; the output names it and why (:mod:`.model_count`
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 from fractions import Fraction
@@ -26,12 +25,22 @@ from typing import Any
 
 from .. import _system
 from ..jsonfile import JsonFileError, dumps, load_object
+from ..units import GIB, UNITS_HELP, SizeError, parse_bytes
 from .model_count import MAX_COUNT
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+EXAMPLES = [
+    ("torchdoctor ds memory --params 7B --gpus-per-node 8 --gpu-mem 80GiB", "every ZeRO setup for a 7B model"),
+    ("torchdoctor ds memory --model path/to/config.json --config ds.json", "count a HF model exactly; judge the "
+     "configured row"),
+    ("torchdoctor ds memory --params 70B --nodes 4 --cpu-mem 1TiB --json", "four nodes, as JSON"),
+]
+EXIT_CODES = [(EXIT_OK, "nothing failed"), (EXIT_PROBLEMS, "the configured setup does not fit, or none does"),
+              (EXIT_USAGE, "bad usage or an unreadable file"), (130, "interrupted (Ctrl-C)")]
 
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 MAX_RANKS = 10**6  # --nodes, --gpus-per-node
+MAX_MEMORY = 1 << 60  # --cpu-mem, --gpu-mem: 1024 TiB, past any node
 _COUNT = re.compile(r"^([0-9][0-9_]*(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+))?\s*([kKmMbBgGtT]?)$")
 
 
@@ -54,9 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(vocab x hidden for most language models); counted for you with --model")
     parser.add_argument("--gpus-per-node", metavar="N", help="ranks per node (default: the GPUs visible here, or 1)")
     parser.add_argument("--nodes", metavar="N", default="1", help="number of nodes (default 1)")
-    parser.add_argument("--cpu-mem", metavar="GiB",
-                        help="host RAM per node (default: this machine's, from /proc/meminfo and its cgroup limit)")
-    parser.add_argument("--gpu-mem", metavar="GiB", help="memory per GPU (default: the first visible GPU's)")
+    parser.add_argument("--cpu-mem", metavar="SIZE",
+                        help=f"host RAM per node, e.g. 256 or 256GiB; a plain number is GiB ({UNITS_HELP}) "
+                             "(default: this machine's, from /proc/meminfo and its cgroup limit)")
+    parser.add_argument("--gpu-mem", metavar="SIZE",
+                        help="memory per GPU, e.g. 80 or 80GiB; a plain number is GiB; 80GB is 80 x 10^9 bytes = "
+                             "74.5 GiB (a GPU sold as \"80GB\" has about 80 GiB: pass 80) (default: the first visible "
+                             "GPU's)")
     parser.add_argument("--config", metavar="ds.json",
                         help="a DeepSpeed config: marks and judges the row it selects (stage, offload devices, "
                              "fp16/bf16, NVMe buffer sizes)")
@@ -104,14 +117,17 @@ def parse_int(text: str, what: str) -> int:
 
 
 def parse_gib(text: str, what: str) -> float:
-    s = re.sub(r"\s*(gib|gb|g)$", "", str(text).strip(), flags=re.IGNORECASE)
+    """``--gpu-mem`` / ``--cpu-mem`` in GiB: ``80`` and ``80G`` / ``80GiB`` are 80 x 2^30 bytes, ``80GB`` is 80 x 10^9
+    (:func:`torchdoctor.units.parse_bytes`, the reading every size flag shares)."""
     try:
-        v = float(s)
-    except ValueError:
-        raise UsageError(f"{what}: cannot read {text!r} as GiB (e.g. 80 or 80GiB)") from None
-    if not math.isfinite(v) or v <= 0:
-        raise UsageError(f"{what}: must be a positive number of GiB, got {text!r}")
-    return v
+        n = parse_bytes(text, plain=GIB, examples="80 or 80GiB = 80 x 2^30 bytes, 80GB = 80 x 10^9")
+    except SizeError as e:
+        raise UsageError(f"{what}: {e}") from None
+    if n <= 0:
+        raise UsageError(f"{what}: must be a positive amount of memory, got {text!r}")
+    if n > MAX_MEMORY:
+        raise UsageError(f"{what}: {text!r} is out of range (at most 1024 TiB)")
+    return float(n / GIB)
 
 
 # probing ---------------------------------------------------------------------------------------------------------
@@ -246,13 +262,13 @@ def run(args: argparse.Namespace) -> int:
             gpn = max(gpu_probe[0], 1)
             gpn_source = f"visible GPUs ({gpu_probe[2]})" if gpu_probe[0] else "default 1 (no GPU visible)"
         if args.cpu_mem is not None:
-            cpu_gib, cpu_source = parse_gib(args.cpu_mem, "--cpu-mem"), "--cpu-mem"
+            cpu_gib, cpu_source = parse_gib(args.cpu_mem, "--cpu-mem"), f"--cpu-mem {args.cpu_mem.strip()}"
         else:
             cpu_gib, cpu_source = host_ram_gib()
             if cpu_gib is not None:
                 cpu_source += " (pass --cpu-mem for the training nodes)"
         if args.gpu_mem is not None:
-            gpu_gib, gpu_source = parse_gib(args.gpu_mem, "--gpu-mem"), "--gpu-mem"
+            gpu_gib, gpu_source = parse_gib(args.gpu_mem, "--gpu-mem"), f"--gpu-mem {args.gpu_mem.strip()}"
         else:
             gpu_probe = gpu_probe or visible_gpus()
             gpu_gib = gpu_probe[1]

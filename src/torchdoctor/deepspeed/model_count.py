@@ -102,7 +102,7 @@ def _config_path(path: str) -> str:
         if not os.path.isfile(cfg_path):
             raise ModelCountError(f"--model {path}: the folder has no config.json")
         return cfg_path
-    if os.path.isfile(path):
+    if os.path.exists(path):  # a file, or a FIFO / <(...) / device: jsonfile reads it, up to its size cap
         return path
     raise ModelCountError(f"--model {path}: no such file or folder")
 

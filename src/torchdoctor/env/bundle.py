@@ -396,8 +396,6 @@ def load_training_args(spec: str) -> dict:
     """
     if not spec or not spec.strip():
         raise BundleError("the training arguments are empty; pass a JSON file or a string of --options")
-    info = _ta_fields()
-    table = info[0] if info else None
     path = spec.strip()
     looks_like_file = not path.startswith("-") and not any(c.isspace() for c in path)
     if os.path.isdir(path):
@@ -406,8 +404,12 @@ def load_training_args(spec: str) -> dict:
         # Refused by name, existing or not (never opened): training_args.bin is torch.save, i.e. pickle.
         raise BundleError(f"{path}: training_args.bin and other {os.path.splitext(path)[1]} files are pickles. "
                           + _PICKLE_HINT)
-    if os.path.isfile(path):
+    # Anything that exists and is not a folder is read as a file: a FIFO or <(...) too, and /dev/zero is refused
+    # at jsonfile's size cap instead of being taken for a string of options.
+    if os.path.exists(path):
         args = _read_json_object(path, "a TrainingArguments file (to_json_string() output)", _PICKLE_HINT)
+        info = _ta_fields()  # after the file is read: a file that cannot be read is said before transformers loads
+        table = info[0] if info else None
         if table is None:
             return args
         out = {}
@@ -420,7 +422,8 @@ def load_training_args(spec: str) -> dict:
         return out
     if looks_like_file and path.lower().endswith((".json", ".yaml", ".yml", ".txt")):
         raise BundleError(f"{path}: no such file (training arguments)")
-    return _parse_cli(spec, table)
+    info = _ta_fields()
+    return _parse_cli(spec, info[0] if info else None)
 
 
 # -- TrainingArguments: the diff ------------------------------------------------------------------------

@@ -13,6 +13,14 @@ import sys
 from ..jsonfile import dumps
 
 EXIT_OK, EXIT_USAGE = 0, 2
+EXAMPLES = [
+    ("torchdoctor report --ds-config ds.json --training-args args.json", "Markdown for a bug report"),
+    ("torchdoctor report --training-args \"--learning_rate 3e-5 --fp16\" -o report.md", "arguments as typed, "
+     "saved to a file too"),
+    ("torchdoctor report --json", "the same as JSON"),
+]
+EXIT_CODES = [(EXIT_OK, "the report was printed (the findings are in it)"),
+              (EXIT_USAGE, "bad usage, or a file that cannot be read or written"), (130, "interrupted (Ctrl-C)")]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,12 +7,20 @@ then findings with fixes. ``--prebuild`` prints the guide's DeepSpeed prebuild c
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from ..findings import render_markdown, render_text, use_color
+from ..jsonfile import dumps
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+EXAMPLES = [
+    ("torchdoctor env", "facts, then findings with fixes"),
+    ("torchdoctor env --ds-config ds.json", "with the libaio checks when the config offloads to NVMe"),
+    ("torchdoctor env --prebuild", "the DeepSpeed prebuild commands for this machine"),
+    ("torchdoctor env --markdown", "an issue body to paste"),
+]
+EXIT_CODES = [(EXIT_OK, "nothing failed"), (EXIT_PROBLEMS, "a check failed"),
+              (EXIT_USAGE, "bad usage or an unreadable --ds-config"), (130, "interrupted (Ctrl-C)")]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         print(prebuild.commands(facts, rules.recommended_arch_list(facts), nvme=nvme))
         return EXIT_OK
     if args.json:
-        print(json.dumps({"facts": facts.to_json(), "findings": [f.to_json() for f in findings]}, indent=1))
+        print(dumps({"facts": facts.to_json(), "findings": [f.to_json() for f in findings]}, indent=1))
     elif args.markdown:
         print("### Environment (torchdoctor env)\n")
         print("\n".join(f"- **{k}**: {v}" for k, v in facts_summary(facts)))

@@ -8,13 +8,23 @@ CUDA/compiler build failures. Exit codes: 0 nothing failed, 1 a ``fail`` finding
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import stat
 import sys
 from typing import Any
 
 from ..findings import render_text, use_color
+from ..jsonfile import dumps
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+EXAMPLES = [
+    ("torchdoctor logs train.log", "the timeline and the findings"),
+    ("torchdoctor logs rank0.log rank1.log.gz", "several logs, plain or gzip"),
+    ("kubectl logs trainer-0 | torchdoctor logs -", "from standard input"),
+    ("torchdoctor logs train.log --json", "as JSON"),
+]
+EXIT_CODES = [(EXIT_OK, "nothing failed"), (EXIT_PROBLEMS, "a fail finding"),
+              (EXIT_USAGE, "a file could not be read"), (130, "interrupted (Ctrl-C)")]
 MAX_GROUPS = 30  # timeline groups printed (first and last halves)
 
 
@@ -63,13 +73,34 @@ def condense(timeline: list[dict], max_groups: int = MAX_GROUPS) -> list[str]:
     return out
 
 
+class NotALog(OSError):
+    """A source that is no log: a folder, or a device that is not a terminal (``/dev/zero`` would stream forever)."""
+
+
+def _refuse_non_logs(f, name: str) -> None:
+    try:
+        fd = f.fileno()
+        mode = os.fstat(fd).st_mode
+    except (OSError, ValueError, AttributeError):  # no descriptor (a stream handed in by a test): nothing to judge
+        return
+    if stat.S_ISDIR(mode):
+        raise NotALog(0, f"{name}: is a directory; pass the log files in it")
+    if stat.S_ISCHR(mode) and not os.isatty(fd):
+        # a log is a file, a pipe or a terminal; a device such as /dev/zero never ends and holds no log
+        raise NotALog(0, f"{name}: a character device, not a log (pass a log file, or - for standard input)")
+
+
 def _analyze(path: str):
-    from .analyze import analyze_stream, open_log, open_stream
+    """The report of one log. Read once, in chunks (constant memory, lines cut at ``MAX_LINE``): a FIFO or
+    ``<(...)`` is read as it is written, and gzip is sniffed from the stream, not by reopening the file."""
+    from .analyze import analyze_stream, open_stream
 
     if path == "-":  # plain or gzip, sniffed like a file (gzip -c train.log | torchdoctor logs -)
+        _refuse_non_logs(sys.stdin.buffer, "standard input")
         return analyze_stream(open_stream(sys.stdin.buffer))
-    with open_log(path) as f:
-        return analyze_stream(f)
+    with open(path, "rb") as f:
+        _refuse_non_logs(f, path)
+        return analyze_stream(open_stream(f))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,6 +112,12 @@ def run(args: argparse.Namespace) -> int:
     for path in args.files:
         try:
             results.append((path, _analyze(path)))
+        except NotALog as e:
+            print(f"torchdoctor logs: {e.strerror}", file=sys.stderr)
+            unreadable += 1
+        except IsADirectoryError:
+            print(f"torchdoctor logs: {path}: is a directory; pass the log files in it", file=sys.stderr)
+            unreadable += 1
         except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
             print(f"torchdoctor logs: cannot read {'standard input' if path == '-' else path}: {why}",
@@ -92,9 +129,11 @@ def run(args: argparse.Namespace) -> int:
         return code
     if args.json:
         if len(args.files) == 1:
-            print(json.dumps(results[0][1].to_json(), indent=1))
+            print(dumps(results[0][1].to_json(), indent=1))
         else:
-            print(json.dumps({"files": [{"file": p, **r.to_json()} for p, r in results]}, indent=1))
+            # every --json has a top-level "findings" list: here each file's, with the file in its data
+            findings = [{**f, "data": {**f["data"], "file": p}} for p, r in results for f in r.to_json()["findings"]]
+            print(dumps({"files": [{"file": p, **r.to_json()} for p, r in results], "findings": findings}, indent=1))
         return code
     for i, (path, report) in enumerate(results):
         if i:

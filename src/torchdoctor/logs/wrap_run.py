@@ -29,7 +29,6 @@ cannot be executed, 2 for bad usage (no command, an unwritable --log or --json f
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -37,6 +36,13 @@ import sys
 
 EXIT_USAGE, EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND = 2, 126, 127
 USAGE = "torchdoctor run [--log FILE] [--json FILE] [--interval S] -- CMD [ARG ...]"
+EXAMPLES = [
+    ("torchdoctor run -- python train.py", "run it; explain how it ended, on stderr"),
+    ("torchdoctor run --log train.log -- torchrun --nproc_per_node 8 train.py", "keep the output too"),
+    ("torchdoctor run --json report.json -- deepspeed train.py --deepspeed ds.json", "the report as JSON"),
+]
+EXIT_CODES = [("the command's own", "(128 + N when signal N killed it)"), (EXIT_NOT_FOUND, "command not found"),
+              (EXIT_NOT_EXECUTABLE, "cannot be executed"), (EXIT_USAGE, "bad usage")]
 
 
 def _interval(text: str) -> float:
@@ -117,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"(output saved in {args.log})", file=sys.stderr)
         if json_path:
             sys.stderr.flush()
-            text = json.dumps(result.to_json(), indent=1)
+            from ..jsonfile import dumps
+
+            text = dumps(result.to_json(), indent=1)
             if json_file is not None:
                 try:
                     json_file.write(text + "\n")
