@@ -38,9 +38,13 @@ def torchrun(nproc: int, *args: str, extra: tuple[str, ...] = ("--standalone",),
                             **popen)
 
 
+def _no_constant(name: str):
+    raise AssertionError(f"--json wrote {name}, which is not JSON")
+
+
 def the_json(stdout: str) -> dict:
-    """Exactly one JSON object on stdout: one reporter, no interleaving."""
-    objs = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    """Exactly one JSON object on stdout: one reporter, no interleaving; strict JSON (no NaN / Infinity)."""
+    objs = [json.loads(line, parse_constant=_no_constant) for line in stdout.splitlines() if line.startswith("{")]
     assert len(objs) == 1, stdout
     return objs[0]
 
@@ -284,7 +288,10 @@ def test_a_frozen_rank_is_found_by_the_watchdog_not_waited_on_forever():
     by_rank = {r["rank"]: r for r in out["ranks"]}
     assert by_rank[1]["status"] == "broken" and by_rank[1]["detail"] == "is frozen (stopped) in bench all_reduce 8M"
     assert by_rank[0]["status"] == "ok" and by_rank[0]["stage"] == "bench"
-    assert [f["id"] for f in out["findings"] if f["severity"] == "fail"] == ["comm.rank-died"]
+    # alive but not running: stuck, not dead
+    fails = [f for f in out["findings"] if f["severity"] == "fail"]
+    assert [f["id"] for f in fails] == ["comm.rank-stuck"]
+    assert fails[0]["data"]["process"] == "stopped" and fails[0]["data"]["pid"] == procs[1].pid
 
 
 def test_local_parent_reports_when_every_rank_was_killed():

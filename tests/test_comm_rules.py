@@ -501,20 +501,110 @@ def test_a_terminated_final_does_not_make_slower_ranks_stuck():
     assert "comm.rank-stuck" not in by_id(findings)
 
 
-@pytest.mark.parametrize("state, verb, fix", [
-    ("stopped", "is frozen (stopped) in", "kill -CONT 4242"),
-    ("running", "stopped responding in", "py-spy dump --native --pid 4242"),
-    ("gone", "died during", "dmesg -T"),
-    (None, "died during", "dmesg -T"),
+@pytest.mark.parametrize("state, verb, fix, id_", [
+    # alive (this host sees its process): stuck, and how to look at it
+    ("stopped", "is frozen (stopped) in", "kill -CONT 4242", "comm.rank-stuck"),
+    ("stopped", "is frozen (stopped) in", "py-spy dump --pid 4242", "comm.rank-stuck"),
+    ("running", "stopped responding in", "py-spy dump --native --pid 4242", "comm.rank-stuck"),
+    ("gone", "died during", "dmesg -T", "comm.rank-died"),
+    (None, "died during", "dmesg -T", "comm.rank-died"),
 ])
-def test_what_this_host_sees_of_a_silent_rank(state, verb, fix):
+def test_what_this_host_sees_of_a_silent_rank(state, verb, fix, id_):
     snap = {0: rec(ident(0), "ring", broken("ring"), alive=True),
             1: {**rec(ident(1, pid=4242), ("ring", "send 1->0"), None, alive=False), "process": state}}
     rows, findings = judge(snap, "gloo", TIMEOUT)
-    f = only(findings, "comm.rank-died")
+    assert [f.id for f in findings if f.severity == "fail"] == [id_]
+    f = findings[0]
     assert f.title == f"rank 1 (host a, local rank 1) {verb} ring send 1->0"
     assert any(fix in fx for fx in f.fix)
     assert rows[1]["detail"] == f"{verb} ring send 1->0" and f.data["process"] == state
+    assert rows[1]["status"] == "broken" and rows[0]["status"] == "ok"
+
+
+def test_a_stopped_rank_says_it_is_alive_and_where_to_look():
+    snap = {0: rec(ident(0), ("bench", "all_reduce 8M"), broken("bench"), alive=True),
+            1: {**rec(ident(1, pid=4242), ("bench", "all_reduce 8M"), None, alive=False), "process": "stopped"}}
+    rows, findings = judge(snap, "gloo", TIMEOUT)
+    f = only(findings, "comm.rank-stuck")
+    assert f.data == {"rank": 1, "stage": "bench", "detail": "all_reduce 8M", "process": "stopped", "pid": 4242}
+    assert any("state T in /proc/4242/stat" in e for e in f.evidence)
+    assert any("TracerPid" in fx for fx in f.fix)
+    assert "comm.rank-died" not in by_id(findings)
+    assert rows[0]["detail"] == "stopped in bench: rank 1 (host a, local rank 1) is frozen"
+
+
+def test_a_frozen_store_host_is_stuck_and_says_the_store_stopped_answering():
+    snap = {0: {**rec(ident(0, pid=77), "all_reduce", None), "process": "stopped"},
+            1: rec(ident(1), "all_reduce", broken("all_reduce"), alive=True)}
+    _, findings = judge(snap, "gloo", TIMEOUT, store_lost="Broken pipe", store_host_rank=0)
+    f = only(findings, "comm.rank-stuck")
+    assert f.data["rank"] == 0 and f.data["process"] == "stopped"
+    assert "it hosts the rendezvous store, which stopped answering: Broken pipe" in f.evidence
+    assert "comm.rank-died" not in by_id(findings)
+
+
+# -- Ctrl-C, and ranks --local never started ------------------------------------------------------------
+
+def interrupted_at(stage, detail=""):
+    return broken(stage, kind="interrupted", error="interrupted by the user (SIGINT, Ctrl-C)", detail=detail)
+
+
+def test_ctrl_c_is_an_interruption_not_a_fault_and_not_sigterm():
+    snap = {r: rec(ident(r), ("bench", "all_reduce 8M"), interrupted_at("bench", "all_reduce 8M"), alive=True)
+            for r in range(3)}
+    rows, findings = judge(snap, "gloo", TIMEOUT)
+    assert [f.id for f in findings] == ["comm.interrupted"]
+    f = findings[0]
+    assert f.severity == "skip" and worst(findings) != "fail"
+    assert f.title == ("interrupted by the user (Ctrl-C) during bench all_reduce 8M: the stages after it were not "
+                       "checked")
+    assert "SIGTERM" not in f.title and not any("scancel" in fx for fx in f.fix)
+    assert f.data == {"ranks": [0, 1, 2]}
+    assert [(r["status"], r["detail"]) for r in rows] == [("interrupted", "interrupted in bench all_reduce 8M")] * 3
+
+
+def test_ctrl_c_while_ranks_start_blames_none_of_them():
+    """The launcher saw the Ctrl-C: ranks that exited on it (130, SIGINT) or had not joined yet are not faults."""
+    snap = {0: {**rec(None), "exit": exited(130)},
+            1: {**rec(None), "exit": {"returncode": -2, "signal": "SIGINT", "pid": 5001}}, 2: rec(None)}
+    rows, findings = judge(snap, "gloo", TIMEOUT, interrupted=True)
+    assert [f.id for f in findings] == ["comm.interrupted"]
+    assert findings[0].title == "interrupted by the user (Ctrl-C) before any rank joined: nothing was checked"
+    assert [(r["status"], r["detail"]) for r in rows] == [("interrupted", "interrupted before joining")] * 3
+    # the same records without the Ctrl-C: deaths and a missing rank
+    _, findings = judge(snap, "gloo", TIMEOUT)
+    assert [f.id for f in findings] == ["comm.rank-missing", "comm.rank-died", "comm.rank-died"]
+
+
+def test_a_death_before_the_ctrl_c_is_still_the_fault():
+    snap = {0: rec(ident(0), "all_reduce", interrupted_at("all_reduce"), alive=True),
+            1: {**rec(ident(1), "all_reduce", None), "exit": exited(-9)}}
+    rows, findings = judge(snap, "gloo", TIMEOUT, interrupted=True)
+    assert [f.id for f in findings] == ["comm.rank-died", "comm.interrupted"]
+    assert rows[1]["detail"] == "was killed by SIGKILL during all_reduce" and rows[0]["status"] == "interrupted"
+
+
+def test_a_ctrl_c_after_every_rank_passed_changes_nothing():
+    snap = {r: rec(ident(r), "done", ok_final()) for r in range(2)}
+    rows, findings = judge(snap, "gloo", TIMEOUT, interrupted=True)
+    assert findings == [] and [r["status"] for r in rows] == ["ok", "ok"]
+
+
+def test_ranks_the_launcher_never_started_are_not_missing():
+    snap = {0: {**rec(ident(0), "join", peer_died(1, "join"), alive=True), "launched": True},
+            1: {**rec(None), "exit": exited(-9), "launched": True},
+            **{r: {**rec(None), "launched": False} for r in range(2, 6)}}
+    rows, findings = judge(snap, "gloo", TIMEOUT)
+    assert [f.id for f in findings] == ["comm.rank-died", "comm.not-started"]
+    assert findings[1].title == "ranks 2-5 were not started" and findings[1].severity == "skip"
+    assert [(r["status"], r["detail"]) for r in rows[2:]] == [("missing", "not started")] * 4
+    # started but never heard of: missing, as before
+    snap[2]["launched"] = True
+    _, findings = judge(snap, "gloo", TIMEOUT)
+    assert [f.id for f in findings] == ["comm.rank-missing", "comm.rank-died", "comm.not-started"]
+    assert findings[2].title == "ranks 3-5 were not started"
+    snap[3]["launched"] = True
+    assert only(judge(snap, "gloo", TIMEOUT)[1], "comm.not-started").title == "ranks 4, 5 were not started"
 
 
 # -- what the --local launcher saw (exit records) -----------------------------------------------------

@@ -24,7 +24,7 @@ K, M, G = 1 << 10, 1 << 20, 1 << 30
 # -- sizes ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, expected", [
-    ("512", 512), ("512B", 512), ("1K", K), ("64k", 64 * K), ("1KB", K), ("1KiB", K), ("1M", M), ("3mb", 3 * M),
+    ("512", 512), ("512B", 512), ("1K", K), ("64k", 64 * K), ("1KB", 1000), ("1KiB", K), ("1M", M), ("3mb", 3_000_000),
     ("2G", 2 * G), ("2GiB", 2 * G), (" 16 M ", 16 * M), ("1", 1), ("1024G", MAX_BYTES),
 ])
 def test_parse_size_units(text, expected):
@@ -536,3 +536,46 @@ def test_local_join_progress_counts_the_ranks_that_posted_their_identity(capsys)
     progress.last_print -= 10
     progress.poll()
     assert capsys.readouterr().err == ""  # all joined: silent from then on
+
+
+def test_local_join_progress_says_how_many_ranks_were_started(capsys):
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from torchdoctor.comm.launch import free_port
+    from torchdoctor.comm.local import _JoinProgress
+
+    store = TCPStore("127.0.0.1", free_port(), None, True, timeout=datetime.timedelta(seconds=10),
+                     wait_for_workers=False)
+    progress = _JoinProgress(store, 8)
+    progress.start -= 10
+    store.set("id/0", "{}")
+    progress.poll(started=4)  # --local starts ranks in batches: the others wait for a CPU
+    assert capsys.readouterr().err.strip() == "torchdoctor comm --local: 1/8 ranks joined (10 s), 4 started"
+    progress.last_print -= 10
+    progress.poll(started=8)
+    assert capsys.readouterr().err.strip() == "torchdoctor comm --local: 1/8 ranks joined (10 s)"
+
+
+def test_each_rank_that_joins_renews_the_join_deadline():
+    """--local starts ranks in batches: the first ones must wait as long as ranks keep arriving."""
+    import time
+
+    from torchdoctor.comm.launch import Launch, free_port
+    from torchdoctor.comm.sidechannel import SideChannel
+
+    ch = SideChannel(Launch(0, 3, 0, "127.0.0.1", free_port(), "env"), timeout=10)
+    ch.put("id/0", {})
+    arrivals = []
+
+    def arrived() -> float:  # the next rank arrives whenever one did, each after the first deadline passed
+        arrivals.append(len(arrivals))
+        ch.put(f"id/{len(arrivals)}", {})
+        return time.monotonic() + 10
+
+    assert ch.wait_for("id", time.monotonic() - 1, on_arrival=arrived) == set()
+    assert arrivals == [0, 1]
+    ch.put("id/1", None)  # absent again: a deadline already passed, and nothing renews it
+    assert ch.wait_for("id", time.monotonic() - 1, ranks=[0, 1, 2]) == {1}
+    ch.close()

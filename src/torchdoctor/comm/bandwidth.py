@@ -7,6 +7,8 @@ busbw = algbw * factor, where the factor makes busbw comparable to the link spee
 
 from __future__ import annotations
 
+import math
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 SHARDED = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
 
@@ -31,7 +33,8 @@ def message_elements(op: str, nbytes: int, elem_size: int, n: int) -> tuple[int,
 
 
 def algbw_gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
+    """GB/s; a time of 0 (a timer too coarse for the message) is an infinite bandwidth, not a crash."""
+    return nbytes / seconds / 1e9 if seconds > 0 else math.inf
 
 
 def busbw_gbps(op: str, nbytes: int, seconds: float, n: int) -> float:

@@ -7,24 +7,32 @@ themselves; if none of them could print a verdict (all killed), this process pri
 As a launcher it sees what the ranks cannot: how a rank's process ended. It posts that (exit code or signal) to
 the side channel the moment it reaps the process, so the others name a rank killed before it joined (or hung
 in a collective with a dead peer) at once, instead of waiting out the timeout and calling it "never joined".
+
+It starts the ranks in batches (:func:`capacity.batch_size`): each imports torch, seconds of CPU, and N at once
+would leave the machine thrashing. The ranks live in a process group of their own (:class:`procs.RankGroup`): a
+Ctrl-C reaches this process alone, which tells the ranks (SIGINT: "interrupted by the user"); on its way out it
+ends the group, and a rank dies with its launcher even when the launcher is SIGKILLed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 
 from .launch import Launch, free_port
-from .session import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, HARD_EXIT_S, Options, RankSession
+from .procs import RankGroup
+from .session import EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, HARD_EXIT_S, Options, RankSession
 from .sidechannel import SideChannel, exit_record, post_exit
 
 GRACE_S = 8.0 + HARD_EXIT_S  # a rank's report (settle) and its hard exit, beyond the stage deadline
+REPORT_S = 8.0 + 5.0  # after a signal was passed on: a rank's report (settle) and its exit
+LEAVE_S = 5.0  # after the verdict is out: the other ranks' own exits; then they are killed
 
 
 def child_argv(opts: Options) -> list[str]:
@@ -42,7 +50,7 @@ def child_argv(opts: Options) -> list[str]:
     return argv
 
 
-def run_local(n: int, opts: Options) -> int:
+def run_local(n: int, opts: Options, batch: int) -> int:
     from torch.distributed import PrefixStore, TCPStore
 
     from .sidechannel import key_prefix
@@ -58,25 +66,42 @@ def run_local(n: int, opts: Options) -> int:
                 TORCHDOCTOR_AGENT_STORE="1", TORCHDOCTOR_LAUNCH_MODE="local")
     base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks must not each take every core
     cmd = [sys.executable, "-m", "torchdoctor", "comm", *child_argv(opts)]
-    procs = [subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(n)]
     channel = PrefixStore(key_prefix("0.0"), store)
+    group = RankGroup()
 
-    def ended(rank: int, p: subprocess.Popen) -> None:
-        post_exit(channel, rank, exit_record(p.returncode, p.pid))
+    def start(rank: int) -> None:
+        group.start(rank, cmd, {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})
 
-    codes, stopped_by = _wait(procs, opts.timeout, ended, _JoinProgress(channel, n).poll)
-    if not channel.check(["reporter"]):
-        _report_for_dead_ranks(n, port, opts)
+    def ended(rank: int, returncode: int, pid: int, interrupted: bool) -> None:
+        post_exit(channel, rank, {**exit_record(returncode, pid), **({"interrupted": True} if interrupted else {})})
+
+    supervisor = _Supervisor(n, batch, opts.timeout, group, channel, start, ended)
+    try:
+        stopped_by = supervisor.run()
+        if supervisor.signals > 1:
+            print("torchdoctor comm --local: interrupted twice: the ranks were killed without a report",
+                  file=sys.stderr, flush=True)
+        elif not channel.check(["reporter"]):
+            _report_for_dead_ranks(n, port, opts)
+    finally:
+        group.end()
+    if stopped_by == signal.SIGINT:
+        return EXIT_INTERRUPTED
     if stopped_by is not None:
         return 128 + stopped_by
-    if all(c == EXIT_OK for c in codes):
+    reporter = group.procs.get(supervisor.reporter) if supervisor.reporter is not None else None
+    if reporter is not None and reporter.returncode is not None and reporter.returncode >= 0:
+        return reporter.returncode  # the verdict's own code: a rank killed after it does not change it
+    codes = [p.returncode for p in group.procs.values()]
+    if len(codes) == n and all(c == EXIT_OK for c in codes):
         return EXIT_OK
-    return EXIT_USAGE if all(c == EXIT_USAGE for c in codes) else EXIT_PROBLEMS
+    return EXIT_USAGE if codes and all(c == EXIT_USAGE for c in codes) else EXIT_PROBLEMS
 
 
 class _JoinProgress:
     """While ranks are still joining (many ranks start slowly: each imports torch), a line on stderr now and
-    then -- ``12/64 ranks joined (6 s)`` -- so a long start is not silence. Nothing for a start under 2 s."""
+    then -- ``12/64 ranks joined (6 s), 16 started`` -- so a long start is not silence. Nothing for a start under
+    2 s."""
 
     FIRST_S, EVERY_S = 2.0, 5.0
 
@@ -85,7 +110,7 @@ class _JoinProgress:
         self.joined: set[int] = set()
         self.last_print: float | None = None
 
-    def poll(self) -> None:
+    def poll(self, started: int | None = None) -> None:
         if len(self.joined) == self.n:
             return
         now = time.monotonic()
@@ -94,70 +119,154 @@ class _JoinProgress:
         with contextlib.suppress(Exception):  # progress is a courtesy: never let it break the run
             self.joined |= {r for r in range(self.n) if r not in self.joined and self.channel.check([f"id/{r}"])}
         self.last_print = now
-        print(f"torchdoctor comm --local: {len(self.joined)}/{self.n} ranks joined ({now - self.start:.0f} s)",
+        more = f", {started} started" if started is not None and started < self.n else ""
+        print(f"torchdoctor comm --local: {len(self.joined)}/{self.n} ranks joined ({now - self.start:.0f} s){more}",
               file=sys.stderr, flush=True)
 
 
-def _wait(procs: list[subprocess.Popen], timeout: float,
-          ended: Callable[[int, subprocess.Popen], None] = lambda r, p: None,
-          progress: Callable[[], None] = lambda: None) -> tuple[list[int], int | None]:
-    """Wait for the ranks; never forever. Once one has ended, the others get their own deadline plus the time
-    to report; then SIGTERM (they report that), then SIGKILL. SIGTERM / Ctrl-C to this process reach them.
-    ``ended(rank, process)`` is told of each rank's end as soon as it is reaped (within 0.1 s); ``progress()``
-    is called on every poll (0.1 s)."""
-    stop = {"signal": None}
-    told: set[int] = set()
+class _Supervisor:
+    """Start the ranks batch by batch and wait for them; never forever.
 
-    def tell() -> None:
-        for r, p in enumerate(procs):
-            if r not in told and p.poll() is not None:
-                told.add(r)
-                with contextlib.suppress(Exception):  # the report matters more than the record
-                    ended(r, p)
+    - A batch starts once every rank of the one before has joined or ended (or after half the timeout: a rank
+      stuck in its start must not hold the others back); none starts after a rank ended or a signal came.
+    - Once the verdict is out (the reporter claimed it and exited), stopped ranks are SIGKILLed at once -- no
+      other signal reaches them -- and the rest get :data:`LEAVE_S` to exit.
+    - Without a verdict: once a rank ended, the others get their own deadline plus the time to report; after a
+      signal, the time to report it. Then SIGKILL.
+    - SIGINT (Ctrl-C) and SIGTERM to this process are passed on to the ranks, which report them; a second one
+      kills them. Ctrl-Z (SIGTSTP) stops the ranks with this process, SIGCONT resumes them.
+    """
 
-    def forward(signum, _frame):
-        stop["signal"] = signum
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+    def __init__(self, n: int, batch: int, timeout: float, group: RankGroup, channel,
+                 start: Callable[[int], None], ended: Callable[[int, int, int, bool], None]) -> None:
+        self.n, self.batch, self.timeout = n, batch, timeout
+        self.group, self.channel, self._start, self._ended = group, channel, start, ended
+        self.progress = _JoinProgress(channel, n)
+        self.started = 0
+        self.stop: int | None = None  # the first signal received
+        self.signals = 0
+        self._told: set[int] = set()
+        self._killed_starting: set[int] = set()  # ranks still starting on the Ctrl-C: killed, as the user asked
+        self._batch: list[int] = []
+        self._batch_at = self._stop_at = 0.0
+        self.reporter: int | None = None  # the rank that printed the verdict, once it has
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        first_end = None
-        while any(p.poll() is None for p in procs):
-            time.sleep(0.1)
-            tell()
-            progress()
-            now = time.monotonic()
-            if first_end is None and any(p.poll() is not None for p in procs):
-                first_end = now
-            if first_end is not None and now - first_end > timeout + GRACE_S:
-                for p in procs:
-                    if p.poll() is None:
-                        p.terminate()
-                _reap(procs, 15)
-                break
-        if stop["signal"] is not None:
-            _reap(procs, 15)
-        tell()
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    return [p.returncode if p.returncode is not None else EXIT_PROBLEMS for p in procs], stop["signal"]
+    def _on_signal(self, signum, _frame) -> None:
+        self.signals += 1
+        if self.stop is None:
+            self.stop, self._stop_at = signum, time.monotonic()
+        if self.signals > 1:  # asked twice: stop waiting for reports
+            self.group.send(signal.SIGKILL)
+            return
+        if signum == signal.SIGINT:
+            with contextlib.suppress(Exception):  # a report for ranks that never joined needs to know why
+                self.channel.set("interrupted", "true")
+            # A rank still importing torch has nothing to report, and a Ctrl-C there prints a traceback (or an
+            # "interrupted" line per rank): it is killed, and its exit record says why.
+            starting = [r for r in self.group.running() if not self._joined(r)]
+            self._killed_starting.update(starting)
+            self.group.kill(starting)
+        self.group.send(signum)  # the ranks tell the two apart: "interrupted by the user" / "stopped from outside"
 
+    def _on_suspend(self, _signum, _frame) -> None:
+        """Ctrl-Z reaches this process alone (the ranks have their own group): the ranks stop with it, as they did
+        in the terminal's group, instead of timing out on a store that stopped answering."""
+        self.group.send(signal.SIGSTOP)
+        os.kill(os.getpid(), signal.SIGSTOP)
 
-def _reap(procs: list[subprocess.Popen], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    for p in procs:
+    def _on_resume(self, _signum, _frame) -> None:
+        self.group.send(signal.SIGCONT)
+
+    def run(self) -> int | None:
+        """Returns the signal that stopped the run, or None."""
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        old.update({signal.SIGTSTP: signal.signal(signal.SIGTSTP, self._on_suspend),
+                    signal.SIGCONT: signal.signal(signal.SIGCONT, self._on_resume)})
         try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            self._loop()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        return self.stop
+
+    def _loop(self) -> None:
+        first_end = verdict_at = None
+        while True:
+            if self.stop is None and first_end is None and self.started < self.n and self._batch_done():
+                self._next_batch()
+            self._tell()
+            self.progress.poll(self.started)
+            if not self.group.running() and (self.started == self.n or self.stop is not None or first_end):
+                return
+            now = time.monotonic()
+            if first_end is None and len(self._told) > 0:
+                first_end = now
+            if verdict_at is None and first_end is not None and self._verdict_out():
+                verdict_at = now
+                self.group.kill_stopped()
+            late = (verdict_at is not None and now - verdict_at > LEAVE_S
+                    or self.stop is not None and now - self._stop_at > REPORT_S
+                    or first_end is not None and now - first_end > self.timeout + GRACE_S)
+            if late:
+                self.group.send(signal.SIGKILL)
+            time.sleep(0.1)
+
+    def _batch_done(self) -> bool:
+        if not self._batch:
+            return True
+        if time.monotonic() - self._batch_at > self.timeout / 2:
+            return True
+        waiting = [r for r in self._batch if r not in self._told and self.group.procs[r].poll() is None]
+        try:
+            return not waiting or self.channel.check([f"id/{r}" for r in waiting])
+        except Exception:  # the store is ours: an error here is a hiccup, decided at the next poll
+            return False
+
+    def _next_batch(self) -> None:
+        self._batch = list(range(self.started, min(self.n, self.started + self.batch)))
+        self._batch_at = time.monotonic()
+        for r in self._batch:
+            if self.stop is not None:
+                break
+            self._start(r)
+            self.started += 1
+        if self.stop is not None:  # it came while a rank was being started: that one may have missed it
+            self.group.send(self.stop)
+        with contextlib.suppress(Exception):  # the verdict tells ranks never started from ranks that never joined
+            self.channel.set("launched", json.dumps(self.started))
+
+    def _tell(self) -> None:
+        """Post each rank's end as soon as it is reaped (within a poll, 0.1 s)."""
+        for r, p in self.group.procs.items():
+            if r not in self._told and p.poll() is not None:
+                self._told.add(r)
+                with contextlib.suppress(Exception):  # the report matters more than the record
+                    self._ended(r, p.returncode, p.pid, r in self._killed_starting)
+
+    def _joined(self, rank: int) -> bool:
+        try:
+            return self.channel.check([f"id/{rank}"])
+        except Exception:
+            return True  # unknown: it gets the signal, not a kill
+
+    def _verdict_out(self) -> bool:
+        """The reporter claimed the verdict and its process has ended: it printed it."""
+        try:
+            if not self.channel.check(["reporter"]):
+                return False
+            rank = int(self.channel.get("reporter"))
+        except Exception:
+            return False
+        p = self.group.procs.get(rank)
+        if p is None or p.poll() is None:
+            return False
+        self.reporter = rank
+        return True
 
 
 def _report_for_dead_ranks(n: int, port: int, opts: Options) -> None:
-    """Every rank ended without printing a verdict (killed): say so from what they left in the store."""
+    """Every rank ended without printing a verdict (killed, or interrupted before joining): say so from what they
+    left in the store."""
     launch = Launch(0, n, 0, "127.0.0.1", port, "local", agent_store=True, run_id="0.0")
     session = RankSession(launch, opts)
     session.channel = SideChannel(launch, opts.timeout)

@@ -63,24 +63,43 @@ def network_fixes(backend: str) -> list[str]:
     ]
 
 
+def _ended_by_user(exit_rec: Mapping[str, Any] | None) -> bool:
+    """A rank's process that ended on the Ctrl-C: killed by SIGINT, Python's exit code for it, or killed by its
+    launcher on the Ctrl-C while it was still starting."""
+    return bool(exit_rec) and (exit_rec.get("signal") == "SIGINT" or exit_rec.get("returncode") == 130
+                               or bool(exit_rec.get("interrupted")))
+
+
 def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
-          store_lost: str | None = None, store_host_rank: int | None = None) -> tuple[list[dict], list[Finding]]:
-    """Rows of the summary table and the findings explaining the run (the fault first)."""
+          store_lost: str | None = None, store_host_rank: int | None = None,
+          interrupted: bool = False) -> tuple[list[dict], list[Finding]]:
+    """Rows of the summary table and the findings explaining the run (the fault first). ``interrupted``: the
+    launcher saw a Ctrl-C (a rank's own final status says so too)."""
     n = len(snap)
     ident = {r: rec.get("identity") for r, rec in snap.items()}
     finals = {r: snap[r]["final"] for r in range(n) if snap[r].get("final")}
-    exits = {r: snap[r]["exit"] for r in range(n) if snap[r].get("exit") and r not in finals}
+    user = sorted(r for r, f in finals.items() if f.get("kind") == "interrupted")
+    passed = len(finals) == n and all(f["status"] == "ok" for f in finals.values())
+    interrupted = (interrupted or bool(user)) and not passed  # a Ctrl-C after every rank passed changed nothing
+    # --local starts ranks in batches and stops starting them at the first failure: those never started
+    unstarted = [r for r in range(n) if not ident[r] and snap[r].get("launched") is False]
+    if interrupted:  # ranks that ended on the Ctrl-C, or were still starting, are not what went wrong
+        user = sorted({*user, *(r for r in range(n) if r not in finals and r not in unstarted and (
+            _ended_by_user(snap[r].get("exit")) or not ident[r] and not snap[r].get("exit")))})
+    exits = {r: snap[r]["exit"] for r in range(n) if snap[r].get("exit") and r not in finals and r not in user}
     if store_lost and store_host_rank is not None:
         # The store's host is gone and liveness cannot be read: only it is known dead, the rest is unknown.
         missing = []
         dead = [store_host_rank] if store_host_rank not in finals else []
     else:
         # a rank whose launcher saw it end without a final status died, whether it joined or not
-        missing = [r for r in range(n) if not ident[r] and not exits.get(r)]
-        dead = [r for r in range(n) if r not in finals and (exits.get(r) or ident[r] and not snap[r].get("alive"))]
-    running = [r for r in range(n) if r not in finals and r not in missing and r not in dead]
-    broken = {r: f for r, f in finals.items() if f["status"] != "ok"}
-    # a SIGTERM says nothing about how far the others got: it does not make the ranks behind it "stuck"
+        missing = [r for r in range(n) if not ident[r] and not exits.get(r) and r not in unstarted and r not in user]
+        dead = [r for r in range(n) if r not in finals and r not in user and
+                (exits.get(r) or ident[r] and not snap[r].get("alive"))]
+    running = [r for r in range(n) if r not in finals and r not in missing and r not in dead and r not in user
+               and r not in unstarted]
+    broken = {r: f for r, f in finals.items() if f["status"] != "ok" and r not in user}
+    # a SIGTERM or a Ctrl-C says nothing about how far the others got: it does not make the ranks behind it "stuck"
     failed_at = max((stage_index(f["stage"]) for f in broken.values() if f.get("kind") != "terminated"), default=-1)
     stuck = [] if store_lost else [
         r for r in running if stage_index((snap[r].get("stage") or {}).get("name")) < failed_at]
@@ -115,7 +134,10 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
             data={"rank": r},
         ))
     for r in dead:
-        findings.append(_dead_finding(r, snap[r], exits.get(r), store_lost if r == store_host_rank else None))
+        if not exits.get(r) and snap[r].get("process") in ("stopped", "running"):  # alive, but not answering
+            findings.append(_frozen_finding(r, snap[r], store_lost if r == store_host_rank else None))
+        else:
+            findings.append(_dead_finding(r, snap[r], exits.get(r), store_lost if r == store_host_rank else None))
         blame.append(f"{describe(ident[r], r)} " + (exit_words(exits[r]) if r in exits else
                                                    _BLAME_VERBS.get(snap[r].get("process"), "died")))
     for r in stuck:
@@ -223,13 +245,35 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
         ))
         culprits = sorted(timed_out)
 
+    if interrupted:
+        where = " / ".join(sorted({_where({"name": finals[r]["stage"], "detail": finals[r]["detail"]})
+                                   for r in user if r in finals}, key=lambda w: stage_index(w.split()[0])))
+        findings.append(Finding(
+            "comm.interrupted", "skip",
+            f"interrupted by the user (Ctrl-C) during {where}: the stages after it were not checked" if where else
+            "interrupted by the user (Ctrl-C) before any rank joined: nothing was checked",
+            evidence=[f"ranks {_ranks(user)} stopped on the Ctrl-C (SIGINT)"] if user else [],
+            fix=["rerun and let it finish (each stage ends within --timeout, "
+                 f"{timeout:g} s)"], data={"ranks": user}))
+    if unstarted:
+        findings.append(Finding(
+            "comm.not-started", "skip", f"ranks {_span(unstarted)} were not started",
+            evidence=["--local starts ranks in batches, and no more once a rank has ended or on Ctrl-C / SIGTERM"],
+            data={"ranks": unstarted}))
+
     rows = []
     for r in range(n):
         rec, f = snap[r], finals.get(r)
         stage = rec.get("stage")
         row = {"rank": r, "host": (ident[r] or {}).get("host"), "local_rank": (ident[r] or {}).get("local_rank"),
                "device": device_label(ident[r]) if ident[r] else None}
-        if r in missing:
+        if r in unstarted:
+            row.update(status="missing", stage=None, detail="not started")
+        elif r in user:
+            where = _where({"name": f["stage"], "detail": f["detail"]}) if f else (stage or {}).get("name")
+            row.update(status="interrupted", stage=f["stage"] if f else (stage or {}).get("name"),
+                       detail=f"interrupted in {where}" if where and ident[r] else "interrupted before joining")
+        elif r in missing:
             row.update(status="missing", stage="join", detail="never joined")
         elif r in dead:
             row.update(status="broken", stage=(stage or {}).get("name"),
@@ -265,10 +309,10 @@ def _dead_where(rec: Mapping[str, Any], exit_rec: Mapping[str, Any] | None, is_s
 
 def _dead_finding(r: int, rec: Mapping[str, Any], exit_rec: Mapping[str, Any] | None,
                   store_lost: str | None) -> Finding:
-    """A rank that died, froze or hung: what its last records, its launcher and this host say about it."""
+    """A rank that died (or is silent on another host): what its last records and its launcher say about it."""
     ident, stage = rec.get("identity"), rec.get("stage")
     is_store = store_lost is not None
-    state = "gone" if exit_rec else rec.get("process")  # "gone" | "stopped" | "running" | None (not on this host)
+    state = "gone" if exit_rec else rec.get("process")  # "gone" | None (not on this host); alive: _frozen_finding
     who = describe(ident, r)
     title = f"{who} {_dead_where(rec, exit_rec, is_store)}"
     if is_store:
@@ -284,16 +328,8 @@ def _dead_finding(r: int, rec: Mapping[str, Any], exit_rec: Mapping[str, Any] | 
     else:
         evidence = [f"its heartbeat stopped and it left no status; last stage entered: "
                     f"{_where(stage) if stage or not is_store else 'never read'}"]
-    if exit_rec or state is None and is_store:
-        pass
-    elif state is None:
+    if state is None and not is_store:
         evidence.append(f"its process on host {host} could not be checked from here: it died or froze")
-    elif state == "stopped":
-        evidence.append(f"its process {pid} exists but is stopped (SIGSTOP, a debugger, or a job suspended by the "
-                        "scheduler)")
-    elif state == "running":
-        evidence.append(f"its process {pid} exists but no thread of it answers: hung in native code (a driver call "
-                        "holding the GIL?)")
     oom = (f"no traceback usually means a kill from outside; the OOM killer leaves a trace: on host {host}: "
            "dmesg -T | grep -i -E 'killed process|out of memory'")
     if exit_rec and not exit_rec.get("signal"):
@@ -303,11 +339,7 @@ def _dead_finding(r: int, rec: Mapping[str, Any], exit_rec: Mapping[str, Any] | 
                  f"find what sent {exit_rec['signal']} to it (a crash in native code is SIGSEGV / SIGABRT: read "
                  f"rank {r}'s own output for the native stack)"]
     else:
-        fixes = {
-            "stopped": [f"resume it (`kill -CONT {pid}`) or find who stopped it (a debugger, `scontrol suspend`)"],
-            "running": [f"dump its stacks: `py-spy dump --native --pid {pid}` on host {host}",
-                        "rerun with --nccl-debug INFO to see the last NCCL call"],
-        }.get(state, [f"read rank {r}'s own output for its last error", oom])
+        fixes = [f"read rank {r}'s own output for its last error", oom]
     return Finding(
         "comm.rank-died", "fail", title,
         evidence=evidence + ([f"the store stopped answering: {store_lost}"] if is_store else []),
@@ -315,6 +347,33 @@ def _dead_finding(r: int, rec: Mapping[str, Any], exit_rec: Mapping[str, Any] | 
         data={"rank": r, "stage": (stage or {}).get("name"), "detail": (stage or {}).get("detail"),
               "process": state, "returncode": (exit_rec or {}).get("returncode"),
               "signal": (exit_rec or {}).get("signal")},
+    )
+
+
+def _frozen_finding(r: int, rec: Mapping[str, Any], store_lost: str | None) -> Finding:
+    """A silent rank whose process this host sees alive: stopped (state T) or running but not answering. It is
+    stuck, not dead -- and what it is doing can be looked at."""
+    ident, stage, state = rec.get("identity"), rec.get("stage"), rec.get("process")
+    host, pid = (ident or {}).get("host") or "?", (ident or {}).get("pid")
+    evidence = [f"its heartbeat stopped and it left no status; last stage entered: {_where(stage)}"]
+    if state == "stopped":
+        evidence.append(f"its process {pid} on host {host} is alive but stopped (state T in /proc/{pid}/stat): "
+                        "SIGSTOP, Ctrl-Z, a debugger, or a job suspended by the scheduler")
+        fix = [f"see where it is: `py-spy dump --pid {pid}` on host {host} (its Python stack); "
+               f"`grep -E 'State|TracerPid' /proc/{pid}/status` (a non-zero TracerPid is the debugger holding it)",
+               f"resume it (`kill -CONT {pid}`) or find who stopped it (a debugger, `scontrol suspend`, a Ctrl-Z)"]
+    else:
+        evidence.append(f"its process {pid} on host {host} is alive and running, but no thread of it answers: hung "
+                        "in native code (a driver call holding the GIL?)")
+        fix = [f"see what it is doing: `py-spy dump --native --pid {pid}` on host {host}",
+               "rerun with --nccl-debug INFO to see the last NCCL call"]
+    if store_lost:
+        evidence.append(f"it hosts the rendezvous store, which stopped answering: {store_lost}")
+    return Finding(
+        "comm.rank-stuck", "fail", f"{describe(ident, r)} {DEAD_VERBS[state]} {_where(stage)}",
+        evidence=evidence, fix=fix,
+        data={"rank": r, "stage": (stage or {}).get("name"), "detail": (stage or {}).get("detail"), "process": state,
+              "pid": pid},
     )
 
 
@@ -387,3 +446,10 @@ def cross_rank(idents: Mapping[int, Mapping[str, Any]], backend: str) -> list[Fi
 
 def _ranks(rs: list[int]) -> str:
     return ", ".join(map(str, rs))
+
+
+def _span(rs: list[int]) -> str:
+    """``8-99`` for a run of consecutive ranks (what batches leave unstarted), else the list."""
+    if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
+        return f"{rs[0]}-{rs[-1]}"
+    return _ranks(rs)

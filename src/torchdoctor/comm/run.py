@@ -13,25 +13,36 @@ import math
 import os
 import sys
 
+from .._system import MIB
+from ..units import UNITS_HELP
+from .capacity import MIN_BATCH, RANK_BYTES, RANKS_PER_CPU
 from .session import EXIT_USAGE, Options
 
 DEFAULT_SIZES = "1K:64M:4"
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "int8", "uint8")
 
 
+# the end of --help, built by cli.describe like every command's
+EXAMPLES = [
+    ("torchdoctor comm --local 4", "4 ranks on this machine"),
+    ("torchrun --nproc_per_node 8 -m torchdoctor comm", "one node"),
+    ("torchrun --nnodes 2 --node_rank R --master_addr A --master_port 29500 --nproc_per_node 8 -m torchdoctor comm",
+     "two nodes (static)"),
+    ("srun --ntasks-per-node 8 python -m torchdoctor comm", "SLURM, one task per GPU"),
+    ("torchdoctor comm --local 2 --bench --sizes 1M:256M", "bandwidth, as nccl-tests reports it"),
+]
+EXIT_CODES = [(0, "every rank passed"), (1, "a rank is missing, broken or stuck"), (EXIT_USAGE, "bad usage"),
+              (130, "interrupted (Ctrl-C)")]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = (
-        "launch:\n"
-        "  torchdoctor comm --local 4                                   4 ranks on this machine\n"
-        "  torchrun --nproc_per_node 8 -m torchdoctor comm               one node\n"
-        "  torchrun --nnodes 2 --node_rank R --master_addr A --master_port 29500 \\\n"
-        "           --nproc_per_node 8 -m torchdoctor comm               two nodes (static)\n"
-        "  srun --ntasks-per-node 8 python -m torchdoctor comm          SLURM, one task per GPU\n"
-        "exit codes: 0 every rank passed, 1 a rank is missing, broken or stuck, 2 bad usage"
-    )
     parser.add_argument("--local", type=int, metavar="N", default=None,
-                        help="start N ranks on this machine (no launcher needed)")
+                        help="start N ranks on this machine (no launcher needed), in batches of one per CPU "
+                             f"(at least {MIN_BATCH}); refused beyond {RANKS_PER_CPU} ranks per CPU (a connectivity "
+                             "check mostly waits) or what the available memory holds "
+                             f"(~{RANK_BYTES // MIB} MiB a rank, plus 3x the largest --sizes with --bench on gloo)")
+    parser.add_argument("--force", action="store_true",
+                        help="with --local: start N ranks even beyond what this machine holds")
     parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
                         help="auto (default): nccl when every rank has a CUDA device, else gloo")
     parser.add_argument("--timeout", type=float, default=60.0,
@@ -46,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="after the checks, time all_reduce, all_gather, reduce_scatter, broadcast, all_to_all")
     bench.add_argument("--sizes", default=DEFAULT_SIZES,
                        help="message sizes: a list (1K,1M,64M) or a range START:END[:FACTOR] (1K:64M doubles; "
-                            f"default {DEFAULT_SIZES}); the full tensor's bytes, as in nccl-tests")
+                            f"default {DEFAULT_SIZES}); the full tensor's bytes, as in nccl-tests; {UNITS_HELP}, "
+                            "a plain number is bytes")
     bench.add_argument("--iters", type=int, default=20, help="timed iterations per size (default: 20)")
     bench.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default: 5)")
     bench.add_argument("--dtype", default="float32", choices=DTYPES, help="element type (default: float32)")
@@ -94,6 +106,13 @@ def run(args: argparse.Namespace) -> int:
         return _usage(str(e))
     if args.local is not None and args.local < 1:
         return _usage("--local needs at least 1 rank")
+    if args.local is not None:  # before torch is imported: refusing costs nothing
+        from .capacity import batch_size, rank_bytes, refusal, this_machine
+
+        machine = this_machine()
+        per_rank = rank_bytes(max(opts.sizes) if opts.bench else None, host_buffers=opts.backend != "nccl")
+        if not args.force and (msg := refusal(args.local, machine, per_rank)):
+            return _usage(msg)
     if args.local is None and launch is None:
         return _usage("no launcher found (RANK/WORLD_SIZE or SLURM_PROCID unset): run under torchrun or srun, "
                       "or start ranks here with --local N")
@@ -109,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     if args.local is not None:
         from .local import run_local
 
-        return run_local(args.local, opts)
+        return run_local(args.local, opts, batch_size(machine))
     from .session import RankSession
 
     return RankSession(launch, opts).run()

@@ -1,7 +1,8 @@
 """One rank's run of the check: stages under a watchdog, then one summary printed by one rank.
 
-Never hang: each stage has a deadline watched by a thread; a missed deadline, an exception, or a SIGTERM
-from the launcher all end in :meth:`RankSession.fail`, which records the failure in the side channel,
+Never hang: each stage has a deadline watched by a thread; a missed deadline, an exception, a SIGTERM
+from the launcher or a SIGINT (Ctrl-C: exit 130) all end in :meth:`RankSession.fail`, which records the failure in
+the side channel,
 waits briefly for the other ranks' records to settle, prints the verdict (if this rank is the reporter)
 and leaves with ``os._exit`` -- a process group with a dead peer cannot be torn down reliably.
 A passing rank leaves with ``os._exit`` too: Python's finalization kills daemon threads with ``pthread_exit``,
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
-import json
 import os
 import signal
 import socket
@@ -24,12 +24,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from ..findings import Finding, render_text
+from ..findings import Finding, render_text, use_color
+from ..jsonfile import dumps
 from . import checks, identity, rules
 from .launch import Launch
+from .procs import process_state
 from .sidechannel import SideChannel, StoreUnreachable
 
-EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 HARD_EXIT_S = 20.0  # beyond the stage deadline (or the report's settle time): leave, whatever is stuck
 # Fault injection for the process tests, read only here: "RANK:STAGE[:SECONDS]" makes that rank SIGKILL itself
 # SECONDS (default 0) after entering STAGE ("connect", "join", ..., "bench", "bench all_reduce 8M": a stage, or a
@@ -68,25 +70,15 @@ class Options:
     nccl_debug_subsys: str | None = None
 
 
-def process_state(pid: int | None) -> str | None:
-    """"gone", "stopped" or "running" for a process of this host (None when unknown)."""
-    if not pid:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "gone"
-    return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(state, "running")
-
-
-def summary_text(world: int, backend: str, rows: list[dict], findings: list[Finding], bench_text: str = "") -> str:
+def summary_text(world: int, backend: str, rows: list[dict], findings: list[Finding], bench_text: str = "",
+                 color: bool = False) -> str:
+    """The table and the findings; ``color`` paints the severity marks, as every command does on a terminal."""
     out = [f"torchdoctor comm: {world} ranks, backend {backend}"]
     w_host = max([4] + [len(str(r["host"] or "?")) for r in rows])
     w_dev = max([6] + [len(str(r["device"] or "?")) for r in rows])
     out.append(f"{'rank':>4}  {'host':<{w_host}}  {'local':>5}  {'device':<{w_dev}}  status")
     for r in rows:
-        status = {"ok": "OK", "broken": "BROKEN", "missing": "MISSING"}[r["status"]]
+        status = {"ok": "OK", "broken": "BROKEN", "missing": "MISSING", "interrupted": "INTERRUPTED"}[r["status"]]
         if r["detail"]:
             status += f" ({r['detail']})"
         local = "?" if r["local_rank"] is None else r["local_rank"]
@@ -94,7 +86,7 @@ def summary_text(world: int, backend: str, rows: list[dict], findings: list[Find
                    f"{str(r['device'] or '?'):<{w_dev}}  {status}")
     if bench_text:
         out += ["", bench_text]
-    out += ["", render_text(findings)]
+    out += ["", render_text(findings, color=color)]
     return "\n".join(out)
 
 
@@ -114,8 +106,8 @@ class RankSession:
         self._die_at = injected_death(os.environ.get(TEST_DIE_ENV), launch.rank)
 
     # -- stage bookkeeping -------------------------------------------------------------------------
-    def touch(self) -> None:
-        """Progress was made: the current stage gets a fresh deadline."""
+    def touch(self) -> float:
+        """Progress was made: the current stage gets a fresh deadline (returned)."""
         now = time.monotonic()
         self.deadline = now + self.opts.timeout
         if now - self._armed_at > 1.0:  # throttled: the benchmark touches every iteration
@@ -123,6 +115,7 @@ class RankSession:
             # Last resort, in C (no GIL needed): if a driver call holds the GIL and the watchdog thread cannot
             # run, dump the stacks and exit instead of hanging forever.
             faulthandler.dump_traceback_later(self.opts.timeout + HARD_EXIT_S, exit=True)
+        return self.deadline
 
     def enter(self, name: str, detail: str = "") -> None:
         self.stage, self.detail = name, detail
@@ -159,8 +152,9 @@ class RankSession:
             if d is not None and time.monotonic() > d:
                 self.fail("timeout", f"no progress in {where} for {self.opts.timeout:g} s")
 
-    def _sigterm(self) -> None:
-        signal.sigwait({signal.SIGTERM})
+    def _signals(self) -> None:
+        if signal.sigwait({signal.SIGTERM, signal.SIGINT}) == signal.SIGINT:  # Ctrl-C, or srun passing it on
+            self.fail("interrupted", "interrupted by the user (SIGINT, Ctrl-C)")
         self.fail("terminated", "stopped by SIGTERM (launchers stop every rank when one fails)")
 
     # -- the end -----------------------------------------------------------------------------------
@@ -182,7 +176,8 @@ class RankSession:
         except BaseException:  # reporting itself broke (a closed stdout, a lost store): still leave
             pass
         finally:
-            self._exit(EXIT_USAGE if self.usage_error else max(code, EXIT_PROBLEMS))
+            self._exit(EXIT_USAGE if self.usage_error else EXIT_INTERRUPTED if kind == "interrupted" else
+                       max(code, EXIT_PROBLEMS))
 
     def _arm_hard_exit(self) -> None:
         """Reporting reads the store, which can block forever if its host froze: bound it (a Python timer that
@@ -222,11 +217,12 @@ class RankSession:
             f = self._unreachable(kind, error, where)
         self._printed = True
         if self.opts.json:
-            print(json.dumps({"world_size": self.launch.world_size, "backend": self.backend,
-                              "timeout_s": self.opts.timeout, "launch": self.launch.mode, "ranks": [],
-                              "findings": [f.to_json()]}))
+            print(dumps({"world_size": self.launch.world_size, "backend": self.backend,
+                         "timeout_s": self.opts.timeout, "launch": self.launch.mode, "ranks": [],
+                         "findings": [f.to_json()]}))
         else:
-            print("\n".join(f"[rank {self.launch.rank}] {line}" for line in render_text([f]).splitlines()))
+            text = render_text([f], color=use_color(sys.stdout))
+            print("\n".join(f"[rank {self.launch.rank}] {line}" for line in text.splitlines()))
 
     def _unreachable(self, kind: str, error: str, where: str) -> Finding:
         return Finding(
@@ -252,11 +248,11 @@ class RankSession:
         if self.backend == "auto":
             self.backend = ch.get("backend") or "not chosen"
         rows, findings = rules.judge(snap, self.backend, self.opts.timeout, ch.lost,
-                                     None if self.launch.agent_store else 0)
+                                     None if self.launch.agent_store else 0, interrupted=bool(ch.get("interrupted")))
         # What the identities show (a shared GPU, differing versions) is often the cause of a failed stage
         cross = rules.cross_rank({r: s["identity"] for r, s in snap.items()}, self.backend)
         findings = [f for f in cross if f.severity == "fail"] + findings + [f for f in cross if f.severity != "fail"]
-        if not any(f.severity == "fail" for f in findings) and all(r["status"] == "ok" for r in rows):
+        if not any(f.severity == "fail" for f in findings) and all(r["stage"] == "done" for r in rows):
             stages = "join, init, device, all_reduce, all_gather, broadcast" + (
                 ", ring" if self.launch.world_size > 1 else "") + ", barrier" + (", bench" if self.opts.bench else "")
             findings.insert(0, Finding("comm.ok", "ok", f"all {len(rows)} ranks passed every stage ({stages})",
@@ -294,10 +290,10 @@ class RankSession:
                    "launch": self.launch.mode, "ranks": rows, "findings": [f.to_json() for f in findings]}
             if self.opts.bench:
                 out["bench"] = [b.to_json() for b in self.bench_results]
-            print(json.dumps(out))
+            print(dumps(out))
         else:
             bench = render_bench(self.bench_results, self.launch.world_size) if self.bench_results else ""
-            text = summary_text(self.launch.world_size, self.backend, rows, findings, bench)
+            text = summary_text(self.launch.world_size, self.backend, rows, findings, bench, use_color(sys.stdout))
             print("\n".join(prefix + line for line in text.splitlines()) if prefix else text)
         sys.stdout.flush()
 
@@ -311,8 +307,9 @@ class RankSession:
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self) -> NoReturn:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # before any thread: only _sigterm gets it
-        threading.Thread(target=self._sigterm, name="torchdoctor-sigterm", daemon=True).start()
+        # before any thread, so that only _signals gets them
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        threading.Thread(target=self._signals, name="torchdoctor-signals", daemon=True).start()
         threading.Thread(target=self._watchdog, name="torchdoctor-watchdog", daemon=True).start()
         if self.opts.nccl_debug:
             os.environ["NCCL_DEBUG"] = self.opts.nccl_debug
@@ -330,11 +327,11 @@ class RankSession:
         ch, n, rank = self.channel, self.launch.world_size, self.launch.rank
         ch.post_identity(me)
         ch.start_heartbeat()
-        with self.run_stage("join"):
-            missing = ch.wait_for("id", time.monotonic() + self.opts.timeout)
+        with self.run_stage("join"):  # each rank that joins renews the deadline: --local starts ranks in batches
+            missing = ch.wait_for("id", time.monotonic() + self.opts.timeout, on_arrival=self.touch)
             if missing:
                 self.fail("timeout", f"ranks {', '.join(map(str, sorted(missing)))} did not join within "
-                                     f"{self.opts.timeout:g} s")
+                                     f"{self.opts.timeout:g} s of the last rank that did")
         idents = {r: ch.get(f"id/{r}") for r in range(n)}
         self.backend = self._resolve_backend(idents)
         if rank == 0:

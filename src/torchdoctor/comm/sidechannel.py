@@ -13,6 +13,9 @@ connection, so a rank stuck in a collective still sees them):
   SIGKILL" (at once). Only watched under ``--local``: torchrun's agent does not write them.
 - rank 0's stage, re-read every beat when rank 0 hosts the store: when rank 0 dies, its store dies with it, and
   the survivors can only say where it died from what they read before.
+
+``--local``'s parent also writes ``launched`` (how many ranks it has started: it starts them in batches, so a rank
+that never joined may never have been started) and ``interrupted`` (it was Ctrl-C'd), read by the verdict.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .launch import Launch
@@ -205,13 +209,16 @@ class SideChannel:
                 out[r] = -1
         return out
 
-    def wait_for(self, kind: str, deadline: float, poll: float = 0.05, ranks=None) -> set[int]:
-        """Wait until every rank (of ``ranks``) has posted ``kind/<rank>`` or the deadline passes; the ranks missing."""
+    def wait_for(self, kind: str, deadline: float, poll: float = 0.05, ranks=None,
+                 on_arrival: Callable[[], float] | None = None) -> set[int]:
+        """Wait until every rank (of ``ranks``) has posted ``kind/<rank>`` or the deadline passes; the ranks missing.
+        ``on_arrival()``, called when ranks arrived, returns the new deadline (progress renews it)."""
         missing = set(range(self.launch.world_size) if ranks is None else ranks)
         while True:
-            for r in sorted(missing):
-                if self.get(f"{kind}/{r}") is not None:
-                    missing.discard(r)
+            arrived = {r for r in sorted(missing) if self.get(f"{kind}/{r}") is not None}
+            missing -= arrived
+            if arrived and missing and on_arrival is not None:
+                deadline = on_arrival()
             if not missing or time.monotonic() >= deadline or self.lost:
                 return missing
             time.sleep(poll)
@@ -238,6 +245,7 @@ class SideChannel:
                 break
             if len(finals) == n or elapsed >= settle:
                 break
+        launched = self.get("launched") if self.watch_exits else None  # how many ranks --local has started
         snap = {}
         for r in range(n):
             snap[r] = {
@@ -247,6 +255,7 @@ class SideChannel:
                 "ring": self.get(f"ring/{r}"),
                 "alive": r in moved,
                 "exit": self.get(f"exit/{r}") if self.watch_exits else None,
+                "launched": None if launched is None else r < launched,
             }
         return snap
 
