@@ -70,3 +70,95 @@ def test_callback_refuses_what_the_trainer_provides_and_bad_options():
         NumericsCallback(foo=1)
     with pytest.raises(ValueError, match="grads='bogus'"):
         NumericsCallback(grads="bogus")
+
+
+# ---------------------------------------------------------------- the data, through the Trainer (issue 18)
+class FeatureRegressor(torch.nn.Module):
+    """A model the Trainer calls with float ``features`` and ``labels``; it scales the features in plain code
+    before its first module, as a normalisation would."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+    def forward(self, features, labels=None):
+        pred = self.net((features - 0.5) * 2.0).squeeze(-1)
+        return {"loss": torch.nn.functional.mse_loss(pred, labels), "logits": pred}
+
+
+def _rows(kind: str, bad: int | None, value: float = float("nan")) -> tuple[torch.nn.Module, list[dict]]:
+    """Eight training rows for ``kind``'s model, row ``bad`` holding ``value`` (in its labels or float input)."""
+    from test_diagnosis_data import bert_batch, tiny_bert_regressor
+
+    rows = []
+    if kind == "bert-label":
+        model = tiny_bert_regressor()
+        for i in range(8):
+            b = bert_batch(i, batch=1)
+            rows.append({k: v[0] for k, v in b.items()})
+        if bad is not None:
+            rows[bad]["labels"] = torch.tensor(value)
+    elif kind == "gpt2-embeds":
+        model = tiny_gpt2()
+        for i in range(8):
+            b = gpt2_batch(i, batch=1)
+            rows.append({"inputs_embeds": torch.randn(8, 32), "labels": b["labels"][0]})
+        if bad is not None:
+            rows[bad]["inputs_embeds"][3, 5] = value
+    else:
+        model = FeatureRegressor()
+        g = torch.Generator().manual_seed(0)
+        rows = [{"features": torch.rand(6, generator=g), "labels": torch.rand((), generator=g)} for _ in range(8)]
+        if bad is not None:
+            rows[bad]["features"][2] = value
+    return model, rows
+
+
+def _sequential_trainer(model, rows, tmp_path, callback, steps, accumulation):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=2, use_cpu=True, report_to="none",
+        save_strategy="no", logging_strategy="no", learning_rate=1e-3, dataloader_num_workers=0, disable_tqdm=True,
+        gradient_accumulation_steps=accumulation, train_sampling_strategy="sequential",
+    )
+    return Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback])
+
+
+@pytest.mark.parametrize(("kind", "name"), [("bert-label", "labels"), ("gpt2-embeds", "inputs_embeds"),
+                                            ("feature", "features")])
+@pytest.mark.parametrize("micro_batch", [0, 1, 2])
+def test_a_nan_in_any_input_the_trainer_gives_the_model_is_the_data(tmp_path, kind, name, micro_batch):
+    from torchdoctor.numerics import causes
+    from torchdoctor.numerics.evidence import contradictions
+
+    model, rows = _rows(kind, bad=2 * micro_batch + 1)  # batches of 2 rows, 3 micro-batches per step
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = _sequential_trainer(model, rows, tmp_path, NumericsCallback(), steps=1, accumulation=3)
+    with pytest.raises(NonFiniteError) as exc:
+        trainer.train()
+    report = exc.value.details
+    assert report.cause == causes.BAD_INPUT, report.diagnosis
+    assert report.diagnosis.startswith(f"{name} (input[{name}])") and f"micro-batch {micro_batch}," in report.diagnosis
+    assert "plain code" not in report.diagnosis and "data loader" in report.fix
+    assert contradictions(report) == [] and " in  (" not in exc.value.report
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_an_inf_loss_with_finite_gradients_is_a_warning_the_trainer_survives(tmp_path):
+    """A target of 1e20: its squared error is inf, its gradient finite (and clipped by the Trainer). The Trainer's
+    own log leaves the inf out (logging_nan_inf_filter); the callback says so and keeps the report."""
+    from torchdoctor.numerics import NonFiniteWarning, causes
+
+    model, rows = _rows("bert-label", bad=7, value=1e20)  # the last batch of 4 steps
+    cb = NumericsCallback()
+    trainer = _sequential_trainer(model, rows, tmp_path, cb, steps=4, accumulation=1)
+    with pytest.warns(NonFiniteWarning, match="output\\[loss\\] is inf while every gradient is finite"):
+        trainer.train()
+    (report,) = cb.warnings
+    assert cb.monitor is None and report.cause == causes.NONFINITE_LOSS and report.step == 3
+    assert "The labels reach 1.00e+20" in report.diagnosis
+    assert (tmp_path / "torchdoctor-nonfinite-loss-rank0.txt").exists()
+    assert not (tmp_path / "torchdoctor-nonfinite-rank0.txt").exists()

@@ -15,13 +15,14 @@ __version__ = "0.1.0"
 _LAZY = {
     "NumericsMonitor": "torchdoctor.numerics.monitor",
     "NonFiniteError": "torchdoctor.numerics.errors",
+    "NonFiniteWarning": "torchdoctor.numerics.errors",
     "AbortAfterStep": "torchdoctor.numerics.errors",
     "detect_overflow": "torchdoctor.numerics.overflow",
     "keep_fp32": "torchdoctor.numerics.fp32",
 }
 
 if TYPE_CHECKING:
-    from .numerics.errors import AbortAfterStep, NonFiniteError
+    from .numerics.errors import AbortAfterStep, NonFiniteError, NonFiniteWarning
     from .numerics.fp32 import keep_fp32
     from .numerics.monitor import NumericsMonitor
     from .numerics.overflow import detect_overflow
@@ -43,4 +44,5 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY, *_SUBMODULES})
 
 
-__all__ = ["AbortAfterStep", "NonFiniteError", "NumericsMonitor", "__version__", "detect_overflow", "keep_fp32"]
+__all__ = ["AbortAfterStep", "NonFiniteError", "NonFiniteWarning", "NumericsMonitor", "__version__", "detect_overflow",
+           "keep_fp32"]

@@ -13,6 +13,12 @@ optimizer inside it (``.optimizer``) and, under ``fp16=True``, the ``GradScaler`
 ``.optimizer`` is DeepSpeed's ZeRO optimizer: the DeepSpeed engine adapter wraps its ``step`` (which the
 Trainer reaches inside ``accelerator.backward``) and reads its loss scaler. Reports go to
 ``args.output_dir`` unless ``report_dir`` is given.
+
+The Trainer gives the model its ``labels``, so the model's own loss is a value the monitor sees: a step whose
+loss is inf while every gradient is finite does not stop training (the update is sound) but is a warning
+(:class:`~torchdoctor.numerics.errors.NonFiniteWarning`, with the report's path), kept in
+``NumericsCallback.warnings`` -- the Trainer's default ``logging_nan_inf_filter=True`` keeps such a loss out of
+its own logs.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ class NumericsCallback(TrainerCallback):
             monitor_kwargs["trace_steps"] = sorted(traced)
         self.monitor_kwargs = monitor_kwargs
         self.monitor: NumericsMonitor | None = None
+        # warnings the run survived (an inf loss with finite gradients), kept after train() closed the monitor
+        self.warnings: list = []
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):  # noqa: ANN001
         if model is None or optimizer is None:
@@ -55,6 +63,7 @@ class NumericsCallback(TrainerCallback):
         kwargs_ = {"report_dir": args.output_dir, **self.monitor_kwargs}
         # the monitor looks through accelerate's AcceleratedOptimizer; its GradScaler sits on the wrapper
         self.monitor = NumericsMonitor(model, optimizer=optimizer, scaler=getattr(optimizer, "scaler", None), **kwargs_)
+        self.monitor.warnings = self.warnings  # one list for the whole of train(), readable once it returned
 
     def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
         self.close()

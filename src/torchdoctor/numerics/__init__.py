@@ -1,7 +1,9 @@
 """The numerics monitor: inf/nan in weights, activations and gradients, found cheaply and explained."""
 
-from .errors import AbortAfterStep, NonFiniteError
+from .errors import AbortAfterStep, NonFiniteError, NonFiniteWarning
 from .monitor import NumericsMonitor, OverflowEvent
 from .overflow import detect_overflow
 
-__all__ = ["AbortAfterStep", "NonFiniteError", "NumericsMonitor", "OverflowEvent", "detect_overflow"]
+__all__ = [
+    "AbortAfterStep", "NonFiniteError", "NonFiniteWarning", "NumericsMonitor", "OverflowEvent", "detect_overflow",
+]

@@ -3,8 +3,9 @@
 Most nan/inf losses people meet are not fp16 at all: a learning rate too high for the model (weights and
 activations grow by orders of magnitude over a few steps, then overflow even fp32), or a loss function that
 divides by zero or takes ``log(0)`` on finite model outputs. Advice about ``keep_fp32`` / bf16 / loss scaling
-sends such a user the wrong way, so :func:`~.report.diagnose` asks these rules first and gives the
-low-precision advice only when a low-precision dtype is involved (:func:`low_precision`).
+sends such a user the wrong way, so :func:`~.diagnosis.diagnose` asks these rules first and gives the
+low-precision advice only when a dtype with fp16's small range is involved (:func:`narrow_range`): bf16 has fp32's
+range, so an overflow in bf16 is not cured by fp32, a loss scale or "train in bf16".
 
 Every diagnosis has a stable id (:data:`CAUSES`), written to the report's JSON as ``cause``.
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .frames import BWD, FWD, MARK, Line, ResolvedFrame
+from .render import who
 
 # stable diagnosis ids (NonFiniteReport.cause); DESIGN.md's table lists each with its evidence and fix
 BAD_WEIGHT = "numerics.bad_weight"
@@ -37,14 +39,18 @@ RANGE_OVERFLOW = "numerics.range_overflow"
 BACKWARD_OVERFLOW = "numerics.backward_overflow"  # a low-precision gradient overflow
 BACKWARD_NONFINITE = "numerics.backward_nonfinite"  # fp32 / fp64 backward: no dtype advice
 MARKED_VALUE = "numerics.marked_value"
+# a finite value above the range of the dtype the next module computes in (an fp32 region's output entering an
+# fp16-autocast module): it overflows as it is cast down at that boundary
+BOUNDARY_OVERFLOW = "numerics.boundary_overflow"
+NONFINITE_LOSS = "numerics.nonfinite_loss"  # a warning: the loss is inf, every gradient finite, the run goes on
 OTHER_RANK = "numerics.other_rank"
 UNKNOWN_GRADIENT = "numerics.unknown_gradient"
 SCALE_COLLAPSE = "numerics.loss_scale_collapse"
 CAUSES = (
     BAD_WEIGHT, BAD_INPUT, BETWEEN_MODULES, DIVERGENCE, LOSS_OUTSIDE_MODEL, MODEL_LOSS, LOW_PRECISION_OVERFLOW,
     SQUARE_OVERFLOW,
-    INVALID_OP, RANGE_OVERFLOW, BACKWARD_OVERFLOW, BACKWARD_NONFINITE, MARKED_VALUE, OTHER_RANK, UNKNOWN_GRADIENT,
-    SCALE_COLLAPSE,
+    INVALID_OP, RANGE_OVERFLOW, BACKWARD_OVERFLOW, BACKWARD_NONFINITE, MARKED_VALUE, BOUNDARY_OVERFLOW,
+    NONFINITE_LOSS, OTHER_RANK, UNKNOWN_GRADIENT, SCALE_COLLAPSE,
 )
 
 DIVERGENCE_FIX = (
@@ -68,13 +74,19 @@ _LOW = (torch.float16, torch.bfloat16)
 
 
 def low_precision(dtype: torch.dtype | None) -> bool:
-    """fp16 / bf16 / fp8: the dtypes for which keep_fp32, bf16 or a loss scale can be the fix."""
+    """fp16 / bf16 / fp8: the dtypes with fewer mantissa bits than fp32."""
     return dtype is not None and dtype.is_floating_point and (dtype in _LOW or dtype.itemsize == 1)
 
 
-def step_involves_low_precision(frames: list[ResolvedFrame], step: int) -> bool:
-    """Did any value of ``step`` (activations, gradients) live in a low-precision dtype?"""
-    return any(low_precision(ln.dtype) for f in frames if f.step == step for ln in f.lines if not ln.param)
+def narrow_range(dtype: torch.dtype | None) -> bool:
+    """fp16 / fp8: a range far below fp32's, so that keep_fp32, bf16 or a loss scale can be the fix of an
+    overflow. (bf16 has fp32's range: an overflow in bf16 would overflow fp32 too.)"""
+    return dtype is not None and dtype.is_floating_point and torch.finfo(dtype).max < 1e38
+
+
+def step_dtypes(frames: list[ResolvedFrame], step: int) -> set[torch.dtype]:
+    """The dtypes the values of ``step`` (activations, gradients; not weights) lived in."""
+    return {ln.dtype for f in frames if f.step == step for ln in f.lines if not ln.param and ln.dtype is not None}
 
 
 class GrowthTrail:
@@ -176,7 +188,7 @@ def _root_outputs(frames: list[ResolvedFrame], step: int) -> tuple[set, torch.dt
 @dataclass(frozen=True)
 class LossEvidence:
     text: str
-    low_precision: bool  # the gradient at the model's output lives in fp16/bf16: an overflow is possible too
+    low_precision: bool  # the gradient at the model's output lives in fp16: a scaled gradient's overflow is possible
     fix: str = LOSS_FIX
 
 
@@ -190,7 +202,7 @@ def loss_outside(frames: list[ResolvedFrame], index: int, line: Line) -> LossEvi
         return None
     refs, dtype = roots
     what = "nan" if math.isnan(line.abs_max) else "inf"
-    lowp = low_precision(dtype)
+    lowp = narrow_range(dtype)  # the scaled gradient at an fp16 output can overflow; bf16 has fp32's range
     if frame.phase == MARK:
         after_root = any(f.step == frame.step and f.phase == FWD and f.root for f in frames[:index])
         if not after_root:
@@ -206,7 +218,7 @@ def loss_outside(frames: list[ResolvedFrame], index: int, line: Line) -> LossEvi
         if frame.source_ref in refs or (frame.root and frame.source_ref is None):
             return LossEvidence(
                 f"the forward was finite (the model's outputs too) and the gradient the loss sent into the model's "
-                f"output ({frame.name or 'the model'} {line.label}) was already {what}", lowp,
+                f"output ({who(frame.name, frame.cls)} {line.label}) was already {what}", lowp,
             )
         return None
     # grads="params": the bad gradients belong to the module that made the model's output, the first the
@@ -219,25 +231,36 @@ def loss_outside(frames: list[ResolvedFrame], index: int, line: Line) -> LossEvi
         return None
     return LossEvidence(
         f"the forward was finite (the model's outputs too), and the first gradients of the backward, those of "
-        f"{frame.name} ({frame.cls}) which made the model's output, are already {what}: the gradient the loss sent "
+        f"{who(frame.name, frame.cls)} which made the model's output, are already {what}: the gradient the loss sent "
         "into the model was not finite", lowp,
     )
 
 
-def model_loss(frame: ResolvedFrame, line: Line) -> str | None:
+def model_loss(frame: ResolvedFrame, line: Line) -> tuple[str, list[Line]] | None:
     """The model computes its own loss (``labels=``): its ``loss`` output is the first bad value and every
     other output is finite, so the loss computation made it. Labels that are all ``-100`` (abs min = abs max
-    = 100) are named: a mean cross-entropy over no label is 0/0."""
+    = 100) are named: a mean cross-entropy over no label is 0/0; so are float labels whose square overflows.
+    Returns the text and the lines it quotes besides ``line``."""
     if frame.phase != FWD or line.label not in ("output[loss]", "output.loss"):
         return None
     others = [ln for ln in frame.lines if ln.label.startswith("output") and ln is not line and ln.ref is not None]
     if not others or not all(ln.finite for ln in others):
         return None
     what = "nan" if math.isnan(line.abs_max) else "inf"
-    text = (f"{frame.name or 'the model'} ({frame.cls}) returned a {what} {line.label} while its other outputs "
-            f"({', '.join(ln.label for ln in others[:3])}) are finite: the loss computation made it")
+    text = (f"{who(frame.name, frame.cls)} returned {'a nan' if what == 'nan' else 'an inf'} {line.label} while its "
+            f"other outputs ({', '.join(ln.label for ln in others[:3])}) are finite: the loss computation made it")
     labels = next((ln for ln in frame.lines if ln.label in ("input[labels]", "input.labels")), None)
     if labels is not None and labels.abs_min == labels.abs_max == 100:
-        text += (". Every label of this batch is -100 (ignore_index), so the mean cross-entropy is 0/0: skip such "
-                 "batches or check how the labels are masked (padding, prompt masking, truncation)")
-    return text
+        text += (f". Every label of this batch is -100 (ignore_index): {labels.label} has abs min = abs max = "
+                 f"{labels.abs_max:.2e}, so the mean cross-entropy is 0/0: skip such batches or check how the labels "
+                 "are masked (padding, prompt masking, truncation)")
+        return text, [labels]
+    loss_dtype = line.dtype if line.dtype is not None and line.dtype.is_floating_point else None
+    if labels is not None and loss_dtype is not None and labels.dtype is not None and labels.dtype.is_floating_point \
+            and labels.finite and labels.abs_max is not None:
+        root = math.sqrt(torch.finfo(loss_dtype).max)
+        if labels.abs_max >= root:
+            text += (f". The labels reach {labels.abs_max:.2e}, above sqrt({str(loss_dtype).removeprefix('torch.')} "
+                     f"max) = {root:.2e}: a squared error of such a target overflows (a bad or unscaled target)")
+            return text, [labels]
+    return text, []

@@ -41,8 +41,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .buffers import saved_buffers
+from .diagnosis import backward_consumer
 from .frames import BWD, ModuleInfo, ResolvedFrame
-from .report import NonFiniteReport, backward_consumer, build_report
+from .report import NonFiniteReport, build_report
 from .slots import output_slots
 from .step import StepRecord
 from .wrappers import clean_name, is_wrapper, named_user_modules, unwrap_model, user_class_name
@@ -277,7 +278,7 @@ def localize(mon: NumericsMonitor, report: NonFiniteReport, frames: list[Resolve
         mon._rec, mon._rerunning = saved, False
     context = frames[: start + call.start]  # earlier micro-batches and steps, then what the re-run saw
     again = build_report(context + inner, mon.max_frames, mon.rank, len(context), mon._hf, judge_params,
-                         mon._growth.read())
+                         mon._growth.read(), mon._optimizer_hooked())
     if again is None:
         report.notes.append(
             "The model is compiled (torch.compile). This micro-batch was re-run eagerly on the same inputs (RNG "
@@ -288,7 +289,7 @@ def localize(mon: NumericsMonitor, report: NonFiniteReport, frames: list[Resolve
     again.notes.append(
         "The model is compiled (torch.compile): these frames come from an eager re-run of this micro-batch on the "
         "same inputs (RNG state restored), after the compiled run went non-finite"
-        + (f" at {report.first.module or 'the model'}'s edge." if frames[start + position].boundary else ".")
+        + (f" at {report.first.module or report.first.cls}'s edge." if frames[start + position].boundary else ".")
     )
     again.position = position  # ranks compare where the value went bad in the step they all ran
     return again

@@ -29,3 +29,8 @@ class NonFiniteError(ValueError):
 
 class AbortAfterStep(RuntimeError):
     """Raised once the step given as ``abort_after_step`` has finished (a clean, asked-for stop)."""
+
+
+class NonFiniteWarning(UserWarning):
+    """A non-finite value the run survives: a loss that is inf while every gradient of its step is finite.
+    The report is written to ``report_dir`` (its path is in the message) and kept in ``NumericsMonitor.warnings``."""

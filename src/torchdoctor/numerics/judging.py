@@ -4,20 +4,26 @@ The monitor (:mod:`.monitor`) calls :meth:`Judging._handle_nonfinite` after the 
 said "not finite". From here on speed no longer matters: the statistics are read back, parameters and
 their gradients measured, a compiled region re-run if the value went bad inside one (:mod:`.compiled`),
 the ranks compare where their first bad value sits (:mod:`.verdict`), and the step either raises
-:class:`~.errors.NonFiniteError` or, under a loss scaler that skips it, becomes an :class:`~.scalers.OverflowEvent`.
+:class:`~.errors.NonFiniteError`, or, under a loss scaler that skips it, becomes an :class:`~.scalers.OverflowEvent`,
+or, when its only non-finite value is an inf loss and every gradient is finite, becomes a warning the run survives
+(:mod:`.loss_warning`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections import deque
 from typing import TYPE_CHECKING
 
 from ..advice import fp16_collapse_fix
 from . import causes
 from .compiled import localize
+from .errors import NonFiniteWarning
 from .frames import BWD, FWD, ModuleInfo, ResolvedFrame, measure_now, resolve
+from .loss_warning import as_warning, loss_name, only_the_loss, user_stacklevel
+from .render import who
 from .report import FirstNonFinite, NonFiniteReport, build_report, find_first_bad
 from .scalers import OverflowEvent
 from .stats import all_finite, finite_flags_of
@@ -43,6 +49,8 @@ class Judging:
     _deferred_report: NonFiniteReport | None
     _self_bad: bool  # this rank's own flags were non-finite in the step being judged
     overflows: list[OverflowEvent]
+    warnings: list[NonFiniteReport]
+    _judged_frames: tuple[list[ResolvedFrame], int] | None
 
     def _frames_with_context(self) -> tuple[list[ResolvedFrame], int]:
         """Earlier (already checked) steps as context, then the current step; and where it starts."""
@@ -85,12 +93,14 @@ class Judging:
         if self._deferred_report is not None:
             return self._deferred_report, first_bad_code(FORWARD, 0)
         frames, start = self._frames_with_context()
+        self._judged_frames = (frames, start)
         # weights are measured now: without a hooked optimizer they may have changed since the forward
         judge_params = self._optimizer_hooked() or self._hf
         if check_grads and find_first_bad(frames, start, self._hf, judge_params) is None:
             frames += self._param_grad_frames(step)
         trail = self._growth.read()
-        report = build_report(frames, self.max_frames, self.rank, start, self._hf, judge_params, trail)
+        report = build_report(frames, self.max_frames, self.rank, start, self._hf, judge_params, trail,
+                              self._optimizer_hooked())
         if report is not None and self._regions:
             report = localize(self, report, frames, start, judge_params)
         if report is None:  # this rank's own flags were bad, but no value it can name (gradients gone)
@@ -99,7 +109,13 @@ class Judging:
         return report, first_bad_code(phase, report.position)
 
     def _handle_nonfinite(self, step: int, source: str, check_grads: bool) -> None:
+        self._judged_frames = None
         report, code = self._build_step_report(step, check_grads)
+        judged, self._judged_frames = self._judged_frames, None
+        if report is not None and judged is not None and not self._sync_ranks \
+                and self._loss_only(report, *judged, check_grads):
+            self._warn(report)
+            return
         origin, earliest = origin_ranks(code) if self._sync_ranks else ([], code)
         me = self.rank
         others = [r for r in origin if r != me]
@@ -109,9 +125,11 @@ class Judging:
             report = NonFiniteReport(
                 step, None, frames[start:][-self.max_frames :],
                 "a parameter gradient was non-finite when the backward of this step ended, and the gradients "
-                "were gone (zero_grad) by the time the step was checked, so which one is unknown. Pass the "
-                "optimizer (NumericsMonitor(model, optimizer=opt)) so the step is checked before the update is "
-                "applied, or call mon.step() before optimizer.step(); grads='modules' names the module. Under "
+                "were gone (zero_grad) by the time the step was checked, so which one is unknown. "
+                + ("" if self._optimizer_hooked() else
+                   "Pass the optimizer (NumericsMonitor(model, optimizer=opt)) so the step is checked before the "
+                   "update is applied, or call mon.step() before optimizer.step(); ")
+                + "grads='modules' names the module. Under "
                 "a loss scaler, pass it too (scaler=...): its overflows are then recorded, not raised.",
                 rank=self.rank, cause=causes.UNKNOWN_GRADIENT,
             )
@@ -136,6 +154,32 @@ class Judging:
             )
         self._raise(report)
 
+    def _loss_only(self, report: NonFiniteReport, frames: list[ResolvedFrame], start: int, check_grads: bool) -> bool:
+        """Is the step's only non-finite value its loss, with every gradient checked and finite (:mod:`.loss_warning`)?
+        Not under torch.distributed: the ranks would need one more shared verdict to decide alike, so there such a
+        step still stops the run."""
+        if report.cause not in (causes.MODEL_LOSS, causes.LOSS_OUTSIDE_MODEL):
+            return False
+        if not only_the_loss(report, frames, start):
+            return False
+        if not check_grads or not self._rec.backward_ran or self._deferred_report is not None:
+            return False  # gradients not watched, or no backward: nothing says the update is sound
+        flag = all_finite(self._engine.grad_flags(self._params) + self._rec.stored_grad_flags())
+        return flag is not None and bool(flag.item())  # (a bad step: one more read is fine)
+
+    def _warn(self, report: NonFiniteReport) -> None:
+        """Record a warning finding, write it to disk, say where; the step goes on (its update is applied)."""
+        as_warning(report, causes.NONFINITE_LOSS)
+        self.warnings.append(report)
+        try:
+            paths = report.write(self.report_dir, basename="torchdoctor-nonfinite-loss")
+        except Exception as e:  # never let a full disk turn a warning into a crash
+            paths = [f"(not written: {e})"]
+        message = (f"torchdoctor: step {report.step}: {loss_name(report)} is {report.first.value} while every "
+                   f"gradient is finite; the update was applied and the run goes on. Report: {paths[0]}")
+        log.warning("%s\n%s", message, report.text())
+        warnings.warn(message, NonFiniteWarning, stacklevel=user_stacklevel())
+
     @staticmethod
     def _blame_other_ranks(report: NonFiniteReport, others: list[int]) -> None:
         """This rank's first non-finite value came later in the step than another rank's: it arrived
@@ -152,7 +196,7 @@ class Judging:
             )
         else:
             report.diagnosis = (
-                f"this rank's values were finite until {first.module} ({first.cls}) {first.slot}; rank(s) "
+                f"this rank's values were finite until {who(first.module, first.cls)} {first.slot}; rank(s) "
                 f"{others} went non-finite earlier in this step, and the value reached this rank through a "
                 f"collective inside the forward (tensor parallel). See the report of rank {others[0]}."
             )

@@ -129,6 +129,14 @@ class NumericsMonitor(Recording, Stepping, Judging):
         manual_steps (bool): steps end only at :meth:`step`, from the very first one (otherwise that
             is known only once step() is first called; say so when a step has several forwards).
         stream (TextIO, optional): where traces are printed. Defaults to sys.stdout.
+
+    Attributes:
+        report (NonFiniteReport | None): the last detection, the one raised as :class:`NonFiniteError`.
+        warnings (list[NonFiniteReport]): findings the run survives, in order: a step whose loss (the model's own
+            ``loss`` output, or a ``mark()`` after its forward) is inf while every gradient is finite. Each is
+            written to ``torchdoctor-nonfinite-loss-rank<r>.txt`` / ``.json``, logged, and warned about
+            (:class:`NonFiniteWarning`, with the report's path); its update is applied and the run goes on.
+        overflows (list[OverflowEvent]): steps a loss scaler skipped.
     """
 
     def __init__(
@@ -184,6 +192,8 @@ class NumericsMonitor(Recording, Stepping, Judging):
         self.step_index = 0
         self.overflows: list[OverflowEvent] = []
         self.report: NonFiniteReport | None = None
+        self.warnings: list[NonFiniteReport] = []  # findings the run survives (an inf loss, finite gradients)
+        self._judged_frames = None  # a bad step's resolved frames, while it is judged
         self._consecutive_overflows = 0
         self._manual = manual_steps
         self._optimizer_stepped = False

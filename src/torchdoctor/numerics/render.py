@@ -15,6 +15,12 @@ from .frames import Line, ResolvedFrame
 PREFIX = " " * 17  # transformers' indentation of a frame header
 
 
+def who(name: str, cls: str) -> str:
+    """A module as the report's sentences name it: the root's qualified name is empty, so it is named by its
+    class (the frame layout keeps transformers' empty name)."""
+    return f"{name} ({cls})" if name else f"{cls} (the model)"
+
+
 def hf_header() -> str:
     return f"{'abs min':8} {'abs max':8} metadata"
 

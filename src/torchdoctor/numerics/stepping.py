@@ -261,7 +261,8 @@ class Stepping:
         flag = self._rec.activation_flag()
         if flag is not None and not bool(flag.item()):
             frames, start = self._frames_with_context()
-            report = build_report(frames, self.max_frames, self.rank, start, self._hf)
+            report = build_report(frames, self.max_frames, self.rank, start, self._hf,
+                                  optimizer_hooked=self._optimizer_hooked())
             if report is not None:
                 self._on_failed_forward_report(report)
                 return

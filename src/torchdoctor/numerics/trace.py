@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import TextIO
 
+from ..jsonfile import dumps
 from .frames import ResolvedFrame
 from .render import format_frame, frames_header
 
@@ -33,7 +33,7 @@ class TraceWriter:
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across steps
         for f in frames:
             out.write("".join(f"{tag}{line}\n" for line in format_frame(f, phase=True)))
-            self._file.write(json.dumps(f.to_json()) + "\n")
+            self._file.write(dumps(f.to_json()) + "\n")
         self._file.flush()
         out.flush()
 

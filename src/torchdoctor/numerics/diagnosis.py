@@ -1,0 +1,547 @@
+"""Why a value went non-finite: the diagnosis rules over a report's resolved frames.
+
+:func:`diagnose` is given the frames of a bad step (earlier steps as context) and the first non-finite line, and
+returns one :class:`Diagnosis`: a stable cause id (:data:`.causes.CAUSES`), the why, the fix, and the *evidence*
+(the frame lines the text cites, with the numbers it states), so that every claim of a diagnosis can be checked
+against the frames it was built from (:mod:`.evidence`). The rules, in the order they are tried:
+
+- a non-finite *weight*: the parameters were already broken (a bad checkpoint or an earlier update);
+- a non-finite value the *model was given* (any positional or keyword input, labels included, in any
+  micro-batch): the data is broken; a non-finite input that no watched module produced while everything the
+  model was given was finite: plain code between modules made it;
+- values growing by orders of magnitude over the last steps (:mod:`.causes`): the run diverges;
+- finite model outputs and the first bad value in the model's own loss, a mark after the forward or where the
+  loss's gradient enters the model: the loss made it (:mod:`.causes`);
+- in the backward: a gradient overflow (fp16), bf16's rounding, or an op's undefined derivative (fp32);
+- a finite input above the range of the dtype its module computes in (an fp32 value entering an fp16-autocast
+  Linear, after ``keep_fp32`` of the module before it): an overflow of that boundary;
+- a value that sat within 2x of its dtype's maximum just before an inf: an overflow of that dtype;
+- a nan from a finite input whose square overflows the dtype its module computes in, or from an input and a
+  weight whose product does; else an invalid operation.
+
+fp16 / keep_fp32 / loss-scale advice is given only when a dtype with fp16's range is involved, and "train in
+bf16" only to a run that does not already compute in bf16.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from . import causes
+from .causes import divergence, narrow_range, step_dtypes
+from .frames import BWD, FWD, MARK, Line, ResolvedFrame
+from .inputs import ModelInput, input_name, marked_input, model_input, producer, root_of_call
+from .render import who
+
+# "within 2x of the dtype's maximum" -- the guide's example: 6.27e4 against fp16's 6.55e4.
+HEADROOM_FACTOR = 2.0
+
+
+def shown(value: float | None) -> str:
+    """A number as the frames print it (so that a diagnosis quotes exactly what the report shows)."""
+    if value is None:
+        return "?"
+    return f"{value:.2e}" if math.isfinite(value) else str(value)
+
+
+def dtype_max(dtype: torch.dtype | None) -> float | None:
+    if dtype is None or not (dtype.is_floating_point or dtype.is_complex):
+        return None
+    if dtype.is_complex:
+        dtype = torch.float32 if dtype == torch.complex64 else torch.float64
+    return float(torch.finfo(dtype).max)
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One frame line a diagnosis cites: where it is (module, phase, slot) and the number and dtype it states."""
+
+    module: str
+    cls: str
+    phase: str
+    slot: str
+    abs_max: float | None
+    dtype: torch.dtype | None
+    frame: ResolvedFrame | None = field(default=None, compare=False, repr=False)  # where it was read
+
+    @classmethod
+    def of(cls, frame: ResolvedFrame, line: Line) -> Evidence:
+        return cls(frame.name, frame.cls, frame.phase, line.label, line.abs_max, line.dtype, frame)
+
+    def to_json(self) -> dict:
+        return {"module": self.module, "class": self.cls, "phase": self.phase, "slot": self.slot,
+                "abs_max": self.abs_max if self.abs_max is None or math.isfinite(self.abs_max) else str(self.abs_max),
+                "dtype": dtype_name(self.dtype) if self.dtype is not None else None}
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """One rule's verdict: its stable id (:data:`.causes.CAUSES`), the why, the module to keep in fp32 (when
+    that is the fix), the fix itself when it is not ``keep_fp32``, and the frame lines the text cites."""
+
+    cause: str
+    text: str
+    region: str | None = None
+    fix: str | None = None
+    evidence: tuple[Evidence, ...] = ()
+
+
+def common_region(a: str, b: str) -> str:
+    """The innermost module that contains both qualified names ('' is the root)."""
+    pa, pb = a.split("."), b.split(".")
+    common = []
+    for x, y in zip(pa, pb):
+        if x != y:
+            break
+        common.append(x)
+    return ".".join(common)
+
+
+def backward_consumer(frames: list[ResolvedFrame], index: int) -> ResolvedFrame | None:
+    """The module whose backward produced the gradient measured at ``frames[index]``.
+
+    A bwd frame measures the gradient w.r.t. a forward output of module P. That gradient is what the
+    backward of P's *consumer* returned: the first later forward frame of the same step that took
+    the very same tensor as an input (pass-through modules, whose output is that tensor too, are
+    skipped). None when the tensor reached its consumer through a view or a plain function.
+    """
+    bad = frames[index]
+    ref = bad.source_ref
+    if ref is None:
+        return None
+    for f in frames:
+        if f.step != bad.step or f.phase == BWD:
+            continue
+        takes = any(ln.ref == ref and ln.label.startswith("input") for ln in f.lines)
+        passes = any(ln.ref == ref and ln.label.startswith("output") for ln in f.lines)
+        if takes and not passes:
+            return f
+    return None
+
+
+def compute_dtype(frame: ResolvedFrame) -> torch.dtype | None:
+    """The dtype ``frame``'s module computes in, as its outputs show: the narrowest floating output dtype. Under
+    autocast a Linear given an fp32 input returns fp16, because it cast the input down and computed in fp16."""
+    best = None
+    for ln in frame.lines:
+        top = dtype_max(ln.dtype) if ln.label.startswith("output") and not ln.param else None
+        if top is not None and (best is None or top < best[0]):
+            best = (top, ln.dtype)
+    return best[1] if best else None
+
+
+def _narrower(a: torch.dtype | None, b: torch.dtype | None) -> torch.dtype | None:
+    """The narrower (smaller max) of two floating dtypes; either may be None."""
+    ma, mb = dtype_max(a), dtype_max(b)
+    if ma is None:
+        return b if mb is not None else None
+    return b if mb is not None and mb < ma else a
+
+
+def _square_overflow(frame: ResolvedFrame) -> tuple[Line, float, torch.dtype] | None:
+    """A finite input of ``frame`` large enough that its square overflows the dtype the module computes in."""
+    computed = compute_dtype(frame)
+    for line in frame.lines:
+        if not (line.label.startswith("input") and line.finite and line.abs_max is not None):
+            continue
+        dtype = _narrower(line.dtype, computed)
+        top = dtype_max(dtype)
+        if top and line.abs_max >= math.sqrt(top):
+            return line, math.sqrt(top), dtype
+    return None
+
+
+def product_overflow(frame: ResolvedFrame) -> tuple[Line, Line, torch.dtype] | None:
+    """A finite input and a weight of ``frame`` whose largest values multiply beyond the range of the dtype the
+    module computes in: a Linear's products can overflow to inf, and a sum of infs of both signs is nan."""
+    computed = compute_dtype(frame)
+    inputs = [ln for ln in frame.lines if ln.label.startswith("input") and not ln.param and ln.finite
+              and ln.abs_max is not None and ln.dtype is not None and ln.dtype.is_floating_point]
+    weights = [ln for ln in frame.lines if ln.param and ln.finite and ln.abs_max is not None]
+    if not inputs or not weights:
+        return None
+    x = max(inputs, key=lambda ln: ln.abs_max)
+    w = max(weights, key=lambda ln: ln.abs_max)
+    dtype = _narrower(x.dtype, computed)
+    top = dtype_max(dtype)
+    return (x, w, dtype) if top is not None and x.abs_max * w.abs_max > top else None
+
+
+def _out_of_range_input(frame: ResolvedFrame) -> tuple[Line, torch.dtype] | None:
+    """A finite input of ``frame`` above the range of the dtype the module computes in: it became inf as the
+    module (autocast, or an explicit cast) brought it down to that dtype."""
+    computed = compute_dtype(frame)
+    top = dtype_max(computed)
+    if top is None:
+        return None
+    for line in frame.lines:
+        if line.label.startswith("input") and not line.param and line.finite and line.abs_max is not None \
+                and line.abs_max > top:
+            return line, computed
+    return None
+
+
+def _near_max(
+    frames: list[ResolvedFrame], upto: int, with_params: bool = True
+) -> tuple[ResolvedFrame, Line, float] | None:
+    """The largest finite value relative to its dtype's max in frames[:upto+1] (forward only)."""
+    best = None
+    for f in frames[: upto + 1]:
+        if f.phase == BWD:
+            continue
+        for line in f.lines:
+            if line.param and not with_params:
+                continue
+            top = dtype_max(line.dtype)
+            if top is None or line.abs_max is None or not math.isfinite(line.abs_max):
+                continue
+            ratio = line.abs_max / top
+            if best is None or ratio > best[2]:
+                best = (f, line, ratio)
+    return best
+
+
+def _data(frames: list[ResolvedFrame], index: int, got: ModelInput, consumer_line: Line) -> Diagnosis:
+    frame = frames[index]
+    line = got.line
+    kind = "nan" if math.isnan(line.abs_max) else "inf"
+    name = input_name(line.label)
+    where = f"step {got.frame.step}" + (f", micro-batch {got.micro_batch}" if got.micro_batch is not None else "")
+    model = who(got.frame.name, got.frame.cls) if got.frame.root else (
+        f"the model (read as {who(got.frame.name, got.frame.cls)}, the first module of its call, received it)")
+    text = f"{name} ({line.label}), given to {model} in {where}, is already {kind}"
+    if frame.phase == MARK:
+        text += f" (you marked it {frame.name!r} before the call)"
+    elif got.frame is not frame:
+        text += f"; {who(frame.name, frame.cls)} is the first module whose output it made non-finite"
+    text += ": check the data (or whatever feeds the model); the model did not make it."
+    if kind == "inf":
+        text += (" (An additive attention mask holds -inf where it masks, and a fully masked row makes a softmax "
+                 "nan: if this is such a mask, check that no row is masked entirely; any other inf is bad data.)")
+    key = line.label[len("input["):-1] if line.label.startswith("input[") else None
+    keyword = key is not None and not key.split("]")[0].isdigit()
+    tensor, tag = (f"batch[{key!r}]", key) if keyword else ("x", name.replace("positional ", ""))
+    fix = (
+        f"find the bad records in the data loader: assert torch.isfinite({tensor}).all() where batches are made "
+        "(missing values read as nan, a division by a zero std in normalisation, a corrupt record), or "
+        f"mon.mark({tensor}, {tag!r}) just before the model is called, so that the monitor checks every batch there"
+    )
+    evidence = (Evidence.of(got.frame, line),)
+    if got.frame is not frame:
+        evidence += (Evidence.of(frame, consumer_line),)
+    return Diagnosis(causes.BAD_INPUT, text, fix=fix, evidence=evidence)
+
+
+def _between_modules(frames: list[ResolvedFrame], index: int, bad: Line) -> Diagnosis:
+    frame = frames[index]
+    kind = "nan" if math.isnan(bad.abs_max) else "inf"
+    parent_name = frame.name.rpartition(".")[0] if frame.name else None
+    parent = next((f for f in frames if f.step == frame.step and f.phase == FWD and parent_name is not None
+                   and f.name == parent_name), None)
+    inside = who(parent.name, parent.cls) if parent is not None else "the code that calls it"
+    given = ("every input the model was given in this call was finite" if root_of_call(frames, index) is not None
+             else "the model's forward raised before its own inputs were recorded, and other modules ran before it")
+    text = (
+        f"{who(frame.name, frame.cls)} received {'a nan' if kind == 'nan' else 'an inf'} {bad.label} that no watched "
+        f"module produced, while {given}: plain code between modules (in the forward of {inside}, before it calls "
+        f"{frame.name or 'the model'}) computed it."
+    )
+    fix = (f"put mon.mark(tensor, 'label') after the suspect lines of the forward of {inside} before it calls "
+           f"{frame.name or 'the model'}: the first marked value that is {kind} is the line that made it")
+    return Diagnosis(causes.BETWEEN_MODULES, text, fix=fix, evidence=(Evidence.of(frame, bad),))
+
+
+def _low_precision_words(frames: list[ResolvedFrame], step: int) -> tuple[bool, bool]:
+    """(fp16's range involved, the step computes in bf16): which advice applies."""
+    dtypes = step_dtypes(frames, step)
+    return any(narrow_range(d) for d in dtypes), torch.bfloat16 in dtypes
+
+
+def _or_bf16(frames: list[ResolvedFrame], step: int) -> str:
+    """", or train in bf16" -- never to a run that already computes in bf16."""
+    _, bf16 = _low_precision_words(frames, step)
+    return "" if bf16 else ", or train in bf16"
+
+
+def diagnose(
+    frames: list[ResolvedFrame], index: int, line: Line, judge_params: bool = True,
+    trail: list[tuple[int, float]] | None = None, optimizer_hooked: bool = False,
+) -> Diagnosis:
+    """Why the first non-finite ``line`` of ``frames[index]`` went bad. ``trail``: (step, largest finite
+    value) of the last healthy steps (:class:`.causes.GrowthTrail`), the evidence of a diverging run.
+    ``optimizer_hooked``: the step is checked before the optimizer applies it (what the advice may assume)."""
+    frame = frames[index]
+    what = "nan" if math.isnan(line.abs_max) else "inf"
+    bad_weight = frame.phase != BWD and (line.param or any(ln.param and not ln.finite for ln in frame.lines))
+    if judge_params and bad_weight:
+        return _bad_weight(frames, index, line, trail, optimizer_hooked)
+    if frame.phase not in (BWD, MARK):
+        bad_input = next(
+            (ln for ln in frame.lines if ln.label.startswith("input") and not ln.finite and not ln.param), None
+        )
+        if bad_input is not None and producer(frames, index, bad_input) is None:
+            got = model_input(frames, index, bad_input)
+            if got is not None:
+                return _data(frames, index, got, line)
+            return _between_modules(frames, index, bad_input)
+    elif frame.phase == MARK:
+        got = marked_input(frames, index, line)
+        if got is not None:  # a batch marked before the model was given it
+            return _data(frames, index, got, line)
+    if bad_weight:  # measured only now (no hooked optimizer): maybe after an update that followed this forward
+        return _bad_weight(frames, index, line, trail, optimizer_hooked, judged=False)
+    grew = divergence(frames, index, trail)
+    if grew is not None:
+        return Diagnosis(
+            causes.DIVERGENCE,
+            f"the run is diverging: {grew}. {who(frame.name, frame.cls)} {line.label} then became "
+            f"{what}. Values growing by orders of magnitude step after step are an optimisation problem (a learning "
+            "rate too high for this model, no gradient clipping, no warm-up), not a precision one: higher "
+            "precision only delays the overflow.",
+            fix=causes.DIVERGENCE_FIX, evidence=(Evidence.of(frame, line),),
+        )
+    own = causes.model_loss(frame, line)
+    if own is not None:
+        said, quoted = own
+        return Diagnosis(causes.MODEL_LOSS, f"{said}.", fix="check the labels and masks of this batch: " + (
+            "labels all -100 (ignore_index) give nan; labels outside [0, vocab) or a division by a mask's sum that "
+            "is 0 do too; a squared error of a target beyond sqrt(dtype max) overflows"),
+            evidence=(Evidence.of(frame, line), *(Evidence.of(frame, ln) for ln in quoted)))
+    loss = causes.loss_outside(frames, index, line)
+    if loss is not None:
+        if not loss.low_precision:
+            return Diagnosis(causes.LOSS_OUTSIDE_MODEL, f"{loss.text}: the loss made it, not the model.",
+                             fix=loss.fix, evidence=(Evidence.of(frame, line),))
+        return Diagnosis(
+            causes.BACKWARD_OVERFLOW,
+            f"{loss.text}. The model's output is {dtype_name(_out_dtype(frames, index))}: either the loss made the "
+            f"{what} (check log/div/sqrt inputs, labels, masks) or the scaled gradient overflowed there: scale "
+            f"the loss (torch.amp.GradScaler){_or_bf16(frames, frame.step)}.",
+            evidence=(Evidence.of(frame, line),),
+        )
+    if frame.phase == BWD:
+        return _backward(frames, index, line, what)
+    if frame.phase == MARK:
+        return Diagnosis(
+            causes.MARKED_VALUE,
+            f"the value marked {frame.name!r} is {what}. Look at the code that computes it (between the "
+            "frames above and this mark), or add marks before it to narrow it down.",
+            evidence=(Evidence.of(frame, line),),
+        )
+    boundary = _out_of_range_input(frame)
+    if boundary is not None:
+        return _boundary_overflow(frames, index, line, *boundary)
+    near = _near_max(frames, index, judge_params)
+    if what == "inf" and near is not None and near[2] >= 1 / HEADROOM_FACTOR and near[0].phase != MARK:
+        nf, nl, ratio = near
+        top = dtype_max(nl.dtype)
+        region = common_region(nf.name, frame.name)
+        fix_target = region or nf.name or None
+        reached = (
+            f"{who(nf.name, nf.cls)} {nl.label} reached {shown(nl.abs_max)}, within {1 / ratio:.2f}x of "
+            f"{dtype_name(nl.dtype)}'s max {top:.2e}, and {who(frame.name, frame.cls)} then overflowed to inf."
+        )
+        evidence = (Evidence.of(nf, nl), Evidence.of(frame, line))
+        if narrow_range(nl.dtype):
+            return Diagnosis(
+                causes.LOW_PRECISION_OVERFLOW,
+                f"{reached} Keep {fix_target or 'that region'} in fp32 (autocast off, inputs upcast)"
+                f"{_or_bf16(frames, frame.step)}.",
+                fix_target, evidence=evidence,
+            )
+        return Diagnosis(causes.RANGE_OVERFLOW, f"{reached} {_BEYOND_FP32}", evidence=evidence)
+    if what == "nan":
+        big = _square_overflow(frame)
+        if big is not None:
+            big_line, root, dtype = big
+            text = (
+                f"{who(frame.name, frame.cls)} produced nan from a finite {big_line.label} whose abs max "
+                f"{shown(big_line.abs_max)} is above sqrt({dtype_name(dtype)} max) = {root:.2e}: squaring it "
+                "(the variance of a norm, a dot product) overflows to inf, and inf/inf or inf-inf is nan."
+            )
+            evidence = (Evidence.of(frame, big_line), Evidence.of(frame, line))
+            if narrow_range(dtype):
+                return Diagnosis(
+                    causes.SQUARE_OVERFLOW,
+                    f"{text} Keep {frame.name or 'the model'} in fp32, and look in the frames above for why the "
+                    "activations grew so large.",
+                    frame.name or None, evidence=evidence,
+                )
+            return Diagnosis(
+                causes.SQUARE_OVERFLOW,
+                f"{text} In {dtype_name(dtype)} a value this large is not a precision problem: look in the "
+                "frames above for why the activations grew so large (a learning rate too high, no clipping).",
+                fix=causes.DIVERGENCE_FIX, evidence=evidence,
+            )
+        product = product_overflow(frame)
+        if product is not None:
+            return _product_overflow(frames, index, line, *product)
+        return Diagnosis(
+            causes.INVALID_OP,
+            f"{who(frame.name, frame.cls)} produced nan from finite inputs: an invalid operation (0/0, inf-inf, "
+            f"log or sqrt of a negative number, a softmax over a fully masked row) inside its forward.",
+            evidence=(Evidence.of(frame, line),),
+        )
+    dtype = line.dtype
+    if dtype is not None and (dtype.is_floating_point or dtype.is_complex) and not narrow_range(dtype):
+        # fp32's range (bf16 included): more precision cannot hold a bigger number
+        return Diagnosis(
+            causes.RANGE_OVERFLOW,
+            f"{who(frame.name, frame.cls)} {line.label} overflowed to inf in {dtype_name(dtype)} with no value near "
+            f"the limit in the frames shown: an operation whose result exceeds even fp32's range (exp of a large "
+            f"input, an unnormalised sum or product). {_BEYOND_FP32}",
+            evidence=(Evidence.of(frame, line),),
+        )
+    return Diagnosis(
+        causes.LOW_PRECISION_OVERFLOW,
+        f"{who(frame.name, frame.cls)} {line.label} overflowed to inf in {dtype_name(dtype)} with no value near "
+        f"the limit in the frames shown: a single large product. Keep {frame.name or 'the model'} in fp32"
+        f"{_or_bf16(frames, frame.step)}.",
+        frame.name or None, evidence=(Evidence.of(frame, line),),
+    )
+
+
+def _bad_weight(frames: list[ResolvedFrame], index: int, line: Line, trail: list[tuple[int, float]] | None,
+                optimizer_hooked: bool, judged: bool = True) -> Diagnosis:
+    """``judged=False``: the weight was measured as the report was built, which without a hooked optimizer may
+    be after an update that followed the forward being judged."""
+    frame = frames[index]
+    line = line if line.param else next(ln for ln in frame.lines if ln.param and not ln.finite)
+    what = "nan" if math.isnan(line.abs_max) else "inf"
+    grew = divergence(frames, index, trail)
+    weight = f"{frame.name}.{line.label}" if frame.name else f"{line.label} of {who(frame.name, frame.cls)}"
+    text = f"the weight {weight} is already {what} before this forward"
+    if not judged:
+        text = (f"{who(frame.name, frame.cls)} {line.label} is {what} now and its output went {what} in this forward. "
+                f"With no optimizer hooked, weights are measured only as a report is built, so the monitor cannot "
+                f"tell which came first: the weight was already {what} (loaded that way, or an earlier update wrote "
+                f"it), or the optimizer applied a non-finite update after this forward")
+    elif optimizer_hooked:
+        # the gradients of every update were checked before it was applied: a non-finite one was never applied
+        text += (": no update from non-finite gradients was applied (each step was checked before the optimizer "
+                 "stepped), so an update from finite gradients made it (a learning rate or an optimizer state "
+                 "that overflowed), or code outside the optimizer wrote it (load_state_dict, an in-place edit, "
+                 "another optimizer)")
+    else:
+        text += ": it was loaded that way or an earlier optimizer update wrote it"
+    text += (f" ({grew}: the run diverged)" if grew else "") + "."
+    if not optimizer_hooked:
+        text += (" Check the checkpoint, and give torchdoctor the optimizer (NumericsMonitor(model, optimizer=opt)) "
+                 "so a non-finite update is stopped before it is applied.")
+    fix = causes.DIVERGENCE_FIX if grew else (
+        "check the checkpoint (torch.isfinite on every tensor of its state dict) and whatever writes the weights "
+        "between steps")
+    return Diagnosis(causes.BAD_WEIGHT, text, fix=fix, evidence=(Evidence.of(frame, line),))
+
+
+def _boundary_overflow(frames: list[ResolvedFrame], index: int, line: Line, big: Line,
+                       computed: torch.dtype) -> Diagnosis:
+    """A finite value above the range of the dtype its consumer computes in, entering that consumer."""
+    frame = frames[index]
+    made = producer(frames, index, big)
+    top = dtype_max(computed)
+    source = (f"{who(made.name, made.cls)} made it in {dtype_name(big.dtype)}" if made is not None
+              else f"it came in {dtype_name(big.dtype)} from outside any watched module")
+    consumer = frame.name or "the model"
+    text = (
+        f"{who(frame.name, frame.cls)} was given {big.label} with abs max {shown(big.abs_max)} ({source}), above "
+        f"{dtype_name(computed)}'s max {top:.2e}, and it computes in {dtype_name(computed)} (its output's dtype: "
+        f"autocast or a cast brings its input down to it), so the value overflowed at that boundary and its "
+        f"{line.label} is {'nan' if math.isnan(line.abs_max) else 'inf'}. Extend the fp32 region to include "
+        f"{consumer}"
+        + (f" ({made.name or 'the model'} computes in {dtype_name(big.dtype)}, kept in fp32 or upcast, and its output "
+           f"does not fit {dtype_name(computed)})" if made is not None else "")
+        + f", or cast down only where the value fits {dtype_name(computed)} (normalise or scale it first)."
+    )
+    evidence = (Evidence.of(frame, big), Evidence.of(frame, line))
+    if made is not None:
+        made_line = next((ln for ln in made.lines if ln.ref == big.ref and ln.label.startswith("output")), None)
+        if made_line is not None:
+            evidence = (Evidence.of(made, made_line), *evidence)
+    return Diagnosis(causes.BOUNDARY_OVERFLOW, text, frame.name or None, evidence=evidence)
+
+
+def _product_overflow(frames: list[ResolvedFrame], index: int, line: Line, x: Line, w: Line,
+                      dtype: torch.dtype) -> Diagnosis:
+    frame = frames[index]
+    top = dtype_max(dtype)
+    text = (
+        f"{who(frame.name, frame.cls)} produced nan from finite values whose products overflow: its {x.label} "
+        f"reaches {shown(x.abs_max)} and its {w.label} {shown(w.abs_max)}, and their product is above "
+        f"{dtype_name(dtype)}'s max {top:.2e}, so products overflow to inf and a sum of infs of both signs is nan."
+    )
+    evidence = (Evidence.of(frame, x), Evidence.of(frame, w), Evidence.of(frame, line))
+    if narrow_range(dtype):
+        return Diagnosis(causes.LOW_PRECISION_OVERFLOW,
+                         f"{text} Keep {frame.name or 'the model'} in fp32{_or_bf16(frames, frame.step)}.",
+                         frame.name or None, evidence=evidence)
+    return Diagnosis(causes.RANGE_OVERFLOW, f"{text} A weight this large is not a precision problem: look in the "
+                     "frames above for how it grew (a learning rate too high, no clipping).",
+                     fix=causes.DIVERGENCE_FIX, evidence=evidence)
+
+
+def _backward(frames: list[ResolvedFrame], index: int, line: Line, what: str) -> Diagnosis:
+    frame = frames[index]
+    fp16, bf16 = _low_precision_words(frames, frame.step)
+    fp16 = fp16 or narrow_range(line.dtype)
+    bf16 = bf16 or line.dtype == torch.bfloat16
+    consumer = None if line.label.startswith("grad:") else backward_consumer(frames, index)
+    evidence = (Evidence.of(frame, line),)
+    if consumer is not None:
+        where = (
+            f"the forward was finite; in the backward the gradient was finite at the output of "
+            f"{who(consumer.name, consumer.cls)} and became {what} at its input "
+            f"({frame.name + '.' if frame.name else ''}{line.label[5:]}): the blow-up starts in the backward of "
+            f"{consumer.name or 'the model'}."
+        )
+        target = consumer.name
+    else:
+        if line.label.startswith("grad:"):
+            where = f"the gradient of {f'{frame.name}.' if frame.name else ''}{line.label[5:]}"
+        else:
+            where = f"the gradient flowing into {who(frame.name, frame.cls)} from its {line.label[5:] or 'output'}"
+        where = f"the forward was finite; {where} became {what} in the backward."
+        target = frame.name
+    keep = target or "the module"
+    if fp16:
+        return Diagnosis(
+            causes.BACKWARD_OVERFLOW,
+            f"{where} In fp16 this is a gradient overflow: scale the loss (torch.amp.GradScaler, DeepSpeed dynamic "
+            f"loss scaling){'' if bf16 else ' or train in bf16'}; if it persists, keep {keep} in fp32.",
+            target or None, evidence=evidence,
+        )
+    if bf16:
+        return Diagnosis(
+            causes.BACKWARD_OVERFLOW,
+            f"{where} The step computes in bf16, whose range is fp32's, so a loss scale will not help and neither "
+            f"would fp32's range; bf16 keeps 8 bits of mantissa, so a difference of nearly equal values can round "
+            f"to 0 before a division or a log: keep {keep} in fp32 to test that. If it stays {what} in fp32, it is "
+            "the derivative of an operation at a point where it has none (grads='modules' names the module, "
+            "torch.autograd.set_detect_anomaly(True) the op).",
+            target or None, evidence=evidence,
+        )
+    return Diagnosis(causes.BACKWARD_NONFINITE, f"{where} {_FP32_BACKWARD.format(name=keep)}", evidence=evidence)
+
+
+_FP32_BACKWARD = (
+    "Every value is fp32 or wider, so this is not a small dtype's overflow and more precision will not help: it is "
+    "the derivative of an operation at a point where it has none inside {name}'s backward (sqrt or norm of 0, "
+    "log or pow near 0, torch.where whose unselected branch is inf/nan, a division by a value that can be 0), or a "
+    "gradient beyond fp32's range (a custom backward's huge factor). grads='modules' names the module, "
+    "torch.autograd.set_detect_anomaly(True) names the op."
+)
+_BEYOND_FP32 = (
+    "Higher precision will not help: look at that operation and the magnitudes it is given (clamp, rescale, or use "
+    "a log-space formulation)."
+)
+
+
+def _out_dtype(frames: list[ResolvedFrame], index: int) -> torch.dtype | None:
+    return next((ln.dtype for ln in frames[index].lines if ln.dtype is not None), None)
