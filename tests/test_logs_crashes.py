@@ -256,7 +256,9 @@ def test_run_around_torchrun_does_not_blame_a_sigkill_with_plenty_of_memory_on_t
         return
     assert any("torchdoctor run: MemAvailable never fell below" in e for e in k.evidence)
     assert any("scancel" in x and "sacct" in x and "PREEMPTED" in x for x in k.fix), k.fix
-    if r.kernel.readable:
+    if r.kernel.readable and r.kernel.unseen_oom_lines:  # the kernel killed another process meanwhile (a shared
+        assert "is likelier than the OOM killer" in k.title, k.title  # machine): it may have been the command's
+    elif r.kernel.readable:
         assert "not the kernel's OOM killer: torchdoctor run found no OOM-killer entry" in k.title, k.title
         assert "kernel log" in " ".join(k.evidence) and "no OOM-killer entry" in " ".join(k.evidence)
     else:

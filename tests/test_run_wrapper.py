@@ -428,7 +428,7 @@ sys.exit(int(sys.argv[1]))
 def _fake_kernel(monkeypatch, oom_for_logged_pid: bool) -> list[set[int]]:
     calls: list[set[int]] = []
 
-    def fake(pids: set[int]) -> wrap.KernelLog:
+    def fake(pids: set[int], since: float | None = None) -> wrap.KernelLog:
         calls.append(set(pids))
         lines = [f"Out of memory: Killed process {p} (python) total-vm:1kB" for p in pids if p not in seen[0]]
         return wrap.KernelLog(True, "dmesg -T", lines if oom_for_logged_pid else [])
@@ -552,6 +552,37 @@ needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="nee
 
 
 @needs_dev_full
+def test_kernel_log_lines_dated_before_the_command_are_not_about_it(monkeypatch):
+    """pids wrap around (at 32768 by default) and the kernel log keeps days: an OOM line written before the command
+    started neither confirms an OOM kill of a process that now has that pid nor leaves the verdict open."""
+    started = time.mktime(time.strptime("Fri Dec  4 03:40:00 2026", "%a %b %d %H:%M:%S %Y"))
+    old_ours = "[Fri Dec  4 03:32:50 2026] Memory cgroup out of memory: Killed process 5000 (python3) total-vm:1kB"
+    old_other = "[Fri Dec  4 03:39:00 2026] Out of memory: Killed process 31492 (python3) total-vm:1kB"
+    new_other = "[Fri Dec  4 03:40:05 2026] Out of memory: Killed process 17 (python3) total-vm:1kB"
+    monkeypatch.delenv("TORCHDOCTOR_UNREADABLE", raising=False)  # this kernel log is the test's own
+
+    def kernel(*lines):
+        monkeypatch.setattr(wrap, "_run_quiet", lambda cmd, timeout: "\n".join(lines) if cmd[0] == "dmesg" else None)
+        return wrap.read_kernel_oom({5000, 5001}, since=started)
+
+    k = kernel(old_ours, old_other)
+    assert k.readable and k.oom_lines == [] and k.unseen_oom_lines == []
+    assert wrap.exit_finding(_result(pid=5000, pids_seen={5000, 5001}, kernel=k)).data["oom_killer"] is False
+    k = kernel(old_ours, old_other, new_other)  # a process killed while it ran, whatever its pid: maybe its own
+    assert k.oom_lines == [] and k.unseen_oom_lines == [new_other]
+    k = kernel(old_ours.replace("03:32:50", "03:40:01"))
+    assert k.oom_lines == [old_ours.replace("03:32:50", "03:40:01")]
+    assert wrap.read_kernel_oom({5000}).oom_lines  # undated use (no start time): the line counts, as before
+
+
+def test_kernel_log_times_are_read_from_dmesg_and_kmsg_prefixes():
+    assert wrap.line_time("[Fri Dec  4 03:40:05 2026] x") == time.mktime(time.strptime("2026-12-04 03:40:05",
+                                                                                         "%Y-%m-%d %H:%M:%S"))
+    boot = time.time() - time.monotonic()
+    assert abs(wrap.line_time("[   12.500000] Out of memory") - (boot + 12.5)) < 1.0
+    assert wrap.line_time("Dec 04 03:40:05 host kernel: Out of memory") is None  # journalctl's: not dated
+
+
 def test_a_full_disk_for_json_or_log_is_a_warning_after_the_run_never_a_false_written():
     """`run --json /dev/full`: the command runs, its exit code stands, the report goes to stdout instead."""
     td = [PY, "-m", "torchdoctor", "run"]

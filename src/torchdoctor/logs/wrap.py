@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,41 +116,79 @@ def _read_kmsg(max_records: int = 200_000, max_s: float = 2.0) -> str | None:
                 return None
             if not rec:
                 break
-            out.append(rec.decode("utf-8", "replace").split(";", 1)[-1].rstrip("\n"))
+            head, _, msg = rec.decode("utf-8", "replace").partition(";")
+            fields = head.split(",")  # priority, sequence, microseconds since boot, flags
+            usec = fields[2] if len(fields) > 2 and fields[2].isdigit() else None
+            # shown as plain dmesg shows it: the time keeps an old record from being taken for this command's
+            out.append((f"[{int(usec) / 1e6:12.6f}] " if usec else "") + msg.rstrip("\n"))
     finally:
         os.close(fd)
     return "\n".join(out) if out else None
 
 
-def parse_oom_lines(text: str, pids: set[int]) -> tuple[list[str], str | None]:
-    """The OOM-killer lines of a kernel log that name one of ``pids`` (the last 4), and the cgroup whose limit
-    ran out when the kill was confined to one (``constraint=CONSTRAINT_MEMCG ... oom_memcg=PATH``)."""
-    lines, memcg = [], None
+_WALL = re.compile(r"^\[(\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4})\]")  # dmesg -T: [Fri Dec  4 03:32:50 2026]
+_SINCE_BOOT = re.compile(r"^\[\s*(\d+\.\d+)\]")  # dmesg, /dev/kmsg: [  123.456789], seconds the system ran
+
+
+def line_time(line: str) -> float | None:
+    """When a kernel-log line was written (seconds since the epoch), where its prefix says; None otherwise."""
+    m = _WALL.match(line)
+    if m:
+        try:
+            return time.mktime(time.strptime(m.group(1), "%a %b %d %H:%M:%S %Y"))
+        except (ValueError, OverflowError):
+            return None
+    m = _SINCE_BOOT.match(line)
+    if m:  # the kernel's clock, like CLOCK_MONOTONIC, does not count suspend
+        return time.time() - (time.monotonic() - float(m.group(1)))
+    return None
+
+
+def _oom_lines(text: str, since: float | None) -> Iterator[tuple[int, str]]:
+    """(pid, line) of each OOM-killer line, leaving out those the log dates before ``since`` (seconds since the
+    epoch, with 2 s of slack: dmesg -T prints whole seconds): such a line is about another process that had the
+    pid before, or about another job -- pids wrap around (at 32768 by default) and the log keeps days."""
     for line in text.splitlines():
         m = _OOM_LINE.search(line)
-        if m and int(next(g for g in m.groups() if g)) in pids:
-            lines.append(line.strip())
+        if not m:
+            continue
+        t = line_time(line) if since is not None else None
+        if t is not None and t < since - 2.0:
+            continue
+        yield int(next(g for g in m.groups() if g)), line.strip()
+
+
+def parse_oom_lines(text: str, pids: set[int], since: float | None = None) -> tuple[list[str], str | None]:
+    """The OOM-killer lines of a kernel log that name one of ``pids`` (the last 4) and are not older than ``since``,
+    and the cgroup whose limit ran out when the kill was confined to one (``constraint=CONSTRAINT_MEMCG ...
+    oom_memcg=PATH``)."""
+    lines, memcg = [], None
+    for pid, line in _oom_lines(text, since):
+        if pid in pids:
+            lines.append(line)
             c = re.search(r"constraint=CONSTRAINT_MEMCG\b.*?\boom_memcg=([^,\s]+)", line)
             if c:
                 memcg = c.group(1)
     return lines[-4:], memcg
 
 
-def _newer_oom_lines(text: str, pids: set[int]) -> list[str]:
-    """OOM-killer lines (the last 4) about pids not in ``pids`` but not older than the oldest of them."""
+def _newer_oom_lines(text: str, pids: set[int], since: float | None = None) -> list[str]:
+    """OOM-killer lines (the last 4) about pids not in ``pids`` that may still be the command's: written since it
+    started, where the log dates them; else (no date) not older than the oldest of ``pids``."""
     first = min(pids)
     out = []
-    for line in text.splitlines():
-        m = _OOM_LINE.search(line)
-        if m:
-            pid = int(next(g for g in m.groups() if g))
-            if pid >= first and pid not in pids:
-                out.append(line.strip())
+    for pid, line in _oom_lines(text, since):
+        if pid in pids:
+            continue
+        dated = since is not None and line_time(line) is not None
+        if dated or pid >= first:
+            out.append(line)
     return out[-4:]
 
 
-def read_kernel_oom(pids: set[int]) -> KernelLog:
-    """The kernel's OOM-killer lines about ``pids``, from the first kernel log we are allowed to read."""
+def read_kernel_oom(pids: set[int], since: float | None = None) -> KernelLog:
+    """The kernel's OOM-killer lines about ``pids``, from the first kernel log we are allowed to read; with
+    ``since`` (when the command started, seconds since the epoch), none the log dates before it."""
     if unreadable("kernel-log"):
         return KernelLog(False, f"kernel log not readable (hidden by {UNREADABLE_ENV}=kernel-log)")
     sources = (
@@ -161,8 +200,8 @@ def read_kernel_oom(pids: set[int]) -> KernelLog:
         text = read()
         if text is None:
             continue
-        lines, memcg = parse_oom_lines(text, pids)
-        unseen = _newer_oom_lines(text, pids) if not lines and pids else []
+        lines, memcg = parse_oom_lines(text, pids, since)
+        unseen = _newer_oom_lines(text, pids, since) if not lines and pids else []
         return KernelLog(True, name, lines, memcg, memcg_limit(memcg) if memcg else None, unseen)
     return KernelLog(False, "kernel log not readable (dmesg -T, /dev/kmsg and journalctl -k refused or absent)")
 
@@ -258,6 +297,7 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         # a forked child's ru_maxrss starts at this process's own high-water mark (the mm is copied with its
         # hiwater and exec keeps the maximum), not at its current RSS: compare against the high-water mark
         own_rss = max(vm_rss(os.getpid()) or 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        started_at = time.time()  # for the kernel log: an OOM line dated before it is not about this command
         proc = spawn(argv)
         start = time.monotonic()
         sigs.start = start
@@ -320,7 +360,7 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
     # when the cgroup's oom_kill counter rose.
     sigkilled = [k for k in analysis.kills() if k["signum"] == signal.SIGKILL]
     if code != 0 or sigkilled or oom_kills:
-        result.kernel = read_kernel_oom(result.pids_seen | {k["pid"] for k in sigkilled if k["pid"]})
+        result.kernel = read_kernel_oom(result.pids_seen | {k["pid"] for k in sigkilled if k["pid"]}, started_at)
     if sigkilled:  # the log's process.killed finding is judged with what we saw ourselves
         confirmed, oom_ev = _oom_evidence(result)
         low = _memory_low(result)
