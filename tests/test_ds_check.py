@@ -942,3 +942,17 @@ def test_cli_json_stays_valid_json_with_nan_and_infinity(machine, capsys, tmp_pa
     doc = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in the output"))
     values = {f["data"].get("key"): f["data"].get("value") for f in doc["findings"]}
     assert values["fp16.loss_scale"] == "nan" and values["gradient_clipping"] == "inf"
+
+
+@pytest.mark.parametrize("text", ['1e5', '100000.0'])
+def test_an_integral_float_deepspeed_keeps_as_given_is_a_warning_not_a_refusal(text):
+    """`"steps_per_print": 1e5` is a float in JSON; DeepSpeed's parser keeps it as given and the run works, so it is
+    not a fail -- unless the parser refuses it, which it does not here (checked with DeepSpeed's own steps)."""
+    from torchdoctor.deepspeed.parse import refusal
+
+    cfg = {**BASE, "steps_per_print": json.loads(text)}
+    [f] = [f for f in lint(cfg) if f.id == "config.bad-value"]
+    assert f.severity == "warn" and "stays a float" in f.evidence[0], f
+    assert f.data["edits"] and f.data["edits"][0]["value"] == 100000
+    pytest.importorskip("deepspeed")
+    assert refusal(cfg, 1) is None

@@ -29,7 +29,21 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 FIX = Path(__file__).parent / "fixtures" / "ds_check"
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "realworld" / "ds_configs"
-CORPUS_FILES = sorted(CORPUS.glob("*.json")) if CORPUS.is_dir() else []
+CORPUS_ALL = sorted(CORPUS.glob("*.json")) if CORPUS.is_dir() else []
+
+
+def _is_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text())
+    except ValueError:
+        return False
+    return True
+
+
+# A corpus file that is not JSON (a template with placeholders its launcher script fills in) is not a config
+# DeepSpeed could read: ds check refuses it (test_a_corpus_file_that_is_not_json_is_refused_with_its_place).
+CORPUS_FILES = [p for p in CORPUS_ALL if _is_json(p)]
+CORPUS_NOT_JSON = [p for p in CORPUS_ALL if p not in CORPUS_FILES]
 OWN = sorted((FIX / "parser").glob("*.json"))
 WS = 1  # the world size the parser and the check both use
 
@@ -204,6 +218,17 @@ def test_a_config_deepspeed_refuses_draws_a_fail_corpus():
         if refusal(cfg, WS) is not None and not any(f.severity == "fail" for f in _lint(cfg, "deepspeed")):
             missed.append(f"{path.name}: {refusal(cfg, WS)}")
     assert not missed, "\n".join(missed)
+
+
+@pytest.mark.skipif(not CORPUS_NOT_JSON, reason="every corpus config is JSON")
+@pytest.mark.parametrize("path", CORPUS_NOT_JSON, ids=lambda p: p.name[:60])
+def test_a_corpus_file_that_is_not_json_is_refused_with_its_place(path, capsys):
+    from torchdoctor import cli
+
+    assert cli.main(["ds", "check", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) <= 3 and "Traceback" not in err
+    assert f"{path}:" in err and "invalid JSON" in err, err
 
 
 @pytest.mark.parametrize("cfg", [

@@ -122,9 +122,16 @@ def _judge(spec: Spec, v: Any, lax: bool) -> tuple[str, str] | None:
         else:
             x = v if isinstance(v, (int, float)) else None
         if x is None:
+            if k == "int" and isinstance(v, float) and math.isfinite(v) and v.is_integer() and lax:
+                return ("fail", "a float its config model does not take as an integer")
             if k == "int" and isinstance(v, float) and math.isfinite(v) and v.is_integer():
-                return ("fail", "a float: DeepSpeed uses this key as given, and it must be an integer (write it"
-                                " without a decimal point)")
+                # outside the config models DeepSpeed's parser takes it (get_scalar_param keeps the float):
+                # arithmetic on it works, only code that insists on an int refuses it -- so not a refusal
+                if not _in_bounds(v, spec):
+                    return ("fail", "out of range")
+                return ("warn", "a float (JSON `1e5` and `100.0` are floats): DeepSpeed uses this key as given, so "
+                                "it stays a float -- arithmetic accepts it, code that wants an integer (a "
+                                "DataLoader's batch size, range()) refuses it; write it without a decimal point")
             return ("fail", f"a {_json_type(v)}, not {'an integer' if k == 'int' else 'a number'}"
                     if not isinstance(v, (int, float)) else "not an integer")
         if spec.finite and isinstance(x, float) and not math.isfinite(x):
