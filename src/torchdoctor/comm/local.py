@@ -241,7 +241,9 @@ class _Supervisor:
             if r not in self._told and p.poll() is not None:
                 self._told.add(r)
                 with contextlib.suppress(Exception):  # the report matters more than the record
-                    self._ended(r, p.returncode, p.pid, r in self._killed_starting)
+                    # a rank that ends after the Ctrl-C ended on it, whatever its code (one still starting when
+                    # the SIGINT came may leave with 1, not 130): no fault of its own
+                    self._ended(r, p.returncode, p.pid, r in self._killed_starting or self.stop == signal.SIGINT)
 
     def _joined(self, rank: int) -> bool:
         try:
