@@ -93,6 +93,11 @@ def cgroup_memory() -> tuple[int | None, int | None]:
     return limit, oom
 
 
+def cgroup_limit_readable() -> bool:
+    """Whether this process could read a memory cgroup's limit file (``max`` counts: it says "no limit"). When it
+    cannot, "no limit" from :func:`cgroup_memory` means "unknown": a container's limit may still be in force."""
+    return any(read_text(os.path.join(d, name)) is not None
+               for d in _cgroup_dirs() for name in ("memory.max", "memory.limit_in_bytes"))
 
 
 def fmt_bytes(n: int | None) -> str:

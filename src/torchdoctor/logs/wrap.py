@@ -37,7 +37,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._system import GIB, MIB, UNREADABLE_ENV, cgroup_memory, fmt_bytes, read_meminfo, read_text, unreadable
+from .._system import (
+    GIB,
+    MIB,
+    UNREADABLE_ENV,
+    cgroup_limit_readable,
+    cgroup_memory,
+    fmt_bytes,
+    read_meminfo,
+    read_text,
+    unreadable,
+)
 from ..findings import Finding
 from .analyze import signal_name as signame
 from .wrap_findings import (  # noqa: F401 -- re-exported: the findings are part of this module's API
@@ -45,6 +55,7 @@ from .wrap_findings import (  # noqa: F401 -- re-exported: the findings are part
     _memory_low,
     _not_low_phrase,
     _oom_evidence,
+    _unknown_limit_phrase,
     cmdline,
     exit_finding,
     memory_finding,
@@ -240,6 +251,7 @@ class RunResult:
     reader_gone: tuple[str, float] | None = None  # ("stdout" or "stderr", seconds): our reader of it went away
     last_lines: list[str] = field(default_factory=list)  # the output's last error-looking lines
     log_error: str | None = None  # why --log stopped being written (a full disk), None when it was written whole
+    cgroup_readable: bool = True  # whether a memory cgroup's limit could be read (False: a limit may be unseen)
 
     @property
     def signal_name(self) -> str | None:
@@ -294,6 +306,7 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
     status: tuple[int, Any] | None = None  # (wait status, rusage)
     try:
         cg_limit, oom_before = cgroup_memory()
+        cg_readable = cgroup_limit_readable()
         # a forked child's ru_maxrss starts at this process's own high-water mark (the mm is copied with its
         # hiwater and exec keeps the maximum), not at its current RSS: compare against the high-water mark
         own_rss = max(vm_rss(os.getpid()) or 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
@@ -351,7 +364,7 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         argv=list(argv), pid=proc.pid, exit_code=code, signal=sig, duration_s=end - start,
         peak_rss=peak, peak_rss_t=peak_t, peak_rss_procs=procs, child_maxrss=child_maxrss,
         mem_total=mem.total, min_available=mem.min_avail, min_available_t=mem.min_avail_t,
-        cgroup_limit=cg_limit, cgroup_oom_kills=oom_kills, pids_seen=mem.pids_seen,
+        cgroup_limit=cg_limit, cgroup_oom_kills=oom_kills, pids_seen=mem.pids_seen, cgroup_readable=cg_readable,
         forwarded=sigs.forwarded, killed_by_us=sigs.killed_by_us, interval=interval,
         samples=mem.samples, log_findings=[], timeline=[], reader_gone=pump.reader_gone, log_error=pump.log_error,
     )
@@ -367,7 +380,9 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         ev = list(oom_ev)
         if low is False:
             ev.append(_not_low_phrase(result))
-        if confirmed is False and low is not False:
+        elif low is None and not result.cgroup_readable:
+            ev.append(_unknown_limit_phrase(result))
+        if confirmed is False and low:
             confirmed = None  # no kernel line for the pids we know, but memory did run low: cannot rule it out
         analysis.set_run_evidence(oom_killer=confirmed, memory_low=low, evidence=[f"torchdoctor run: {e}" for e in ev],
                                   exit_code=code, host=socket.gethostname())

@@ -48,8 +48,9 @@ def cmdline(argv: list[str], limit: int = 300) -> str:
 
 
 def _ram(r: RunResult) -> tuple[int | None, str]:
-    """The memory the tree was up against: the cgroup limit when it is tighter than the machine's RAM."""
-    if r.kernel is not None and r.kernel.memcg_limit is not None:
+    """The memory the tree was up against: the cgroup limit when it is tighter than the machine's RAM (None: a
+    cgroup the kernel names, whose limit could not be read)."""
+    if r.kernel is not None and r.kernel.memcg is not None:
         return r.kernel.memcg_limit, "cgroup limit"
     if r.cgroup_limit is not None and (r.mem_total is None or r.cgroup_limit < r.mem_total):
         return r.cgroup_limit, "cgroup limit"
@@ -64,7 +65,11 @@ def _memory_low(r: RunResult) -> bool | None:
     total, what = _ram(r)
     low_avail = r.min_available is not None and bool(r.mem_total) and r.min_available < 0.1 * r.mem_total
     near_limit = what == "cgroup limit" and bool(total) and r.peak_rss > 0.9 * total
-    return low_avail or near_limit
+    if low_avail or near_limit:
+        return True
+    if what == "cgroup limit" and not total or what == "RAM" and not r.cgroup_readable:
+        return None  # a cgroup limit this process cannot read may have been near: "never low" is not known
+    return False
 
 
 def _not_low_phrase(r: RunResult) -> str:
@@ -76,6 +81,12 @@ def _not_low_phrase(r: RunResult) -> str:
     return s + f" (sampled every {r.interval:g} s)"
 
 
+def _unknown_limit_phrase(r: RunResult) -> str:
+    return (f"its memory cgroup's limit could not be read, so whether memory ran low is not known (MemAvailable "
+            f"never fell below {fmt_bytes(r.min_available)} of the machine's {fmt_bytes(r.mem_total)}, but a "
+            "container's limit may be far lower)")
+
+
 def _peak_phrase(r: RunResult) -> str:
     if not r.peak_rss:
         return "peak RSS not measured: it ended before the first sample"
@@ -83,6 +94,8 @@ def _peak_phrase(r: RunResult) -> str:
     s = f"peak RSS {fmt_bytes(r.peak_rss)}"
     if total:
         s += f" of {fmt_bytes(total)} {what} ({100 * r.peak_rss / total:.0f}%)"
+    elif what == "cgroup limit":
+        s += " (its cgroup's limit could not be read)"
     return s
 
 
@@ -210,7 +223,9 @@ def exit_finding(r: RunResult) -> Finding:
             ev.append("a process killed while starting up with no traceback has usually run out of CPU RAM, the "
                       "machine's or its cgroup's (the kernel kills it; Python cannot print anything)")
         total, _ = _ram(r)
-        if total and r.min_available is not None and r.min_available > 0.2 * total and not confirmed:
+        if low is None and not r.cgroup_readable and r.min_available is not None:
+            ev.append(_unknown_limit_phrase(r))
+        elif total and r.min_available is not None and r.min_available > 0.2 * total and not confirmed:
             ev.append(f"MemAvailable never fell below {fmt_bytes(r.min_available)} in the samples: a spike "
                       f"shorter than {r.interval:g} s, or something else sent SIGKILL")
         fix = list(MEMORY_FIXES)
@@ -220,8 +235,8 @@ def exit_finding(r: RunResult) -> Finding:
         if confirmed is not True:
             sched = ("check the job scheduler's record (Slurm: sacct -j JOBID -o State,ExitCode,MaxRSS,ReqMem,"
                      "Timelimit) and who else could `kill -9` it")
-            if confirmed is False:  # the kernel log was read: the OOM killer is ruled out
-                fix = [SIGKILL_OTHER_SENDERS, *fix]
+            if confirmed is False:  # the kernel log was read: the OOM killer is ruled out, and memory cures with it
+                fix = [SIGKILL_OTHER_SENDERS]
             elif low is False:
                 fix = [SIGKILL_SENDERS, *fix]
             else:
