@@ -53,7 +53,8 @@ def test_fp32_loss_that_takes_log_of_zero_blames_the_loss_not_fp16(tmp_path, gra
     details = exc.value.details
     assert details.cause == causes.LOSS_OUTSIDE_MODEL, details.diagnosis
     assert details.first.phase == "bwd" and details.step == 1
-    assert "your loss function made the nan" in details.fix and "log/div/sqrt" in details.fix
+    # the loss, from finite model outputs: its own operations or the targets it is given (issue 18 review, item 3)
+    assert "comes from the loss" in details.fix and "log/div/sqrt" in details.fix and "targets" in details.fix
     assert "labels" in details.fix and "masks" in details.fix
     assert_no_low_precision_advice(details)
     assert "grads='modules'" not in "\n".join(details.notes)  # the model is not where to look

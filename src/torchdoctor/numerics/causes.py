@@ -64,8 +64,15 @@ LOSS_CHECKS = (
     "mask's sum that is 0)"
 )
 
+# the values a loss is given besides the model's outputs: the monitor never sees them unless they are marked
+LOSS_INPUTS = (
+    "the other values the loss is given: the targets / labels you pass to it, masks, weights (a nan target makes a "
+    "nan loss and nan gradients from finite model outputs; assert torch.isfinite(targets).all() where batches are "
+    "made, or mon.mark(targets, 'targets') before the loss so that the monitor checks them)"
+)
 LOSS_FIX = (
-    "your loss function made the nan/inf from finite model outputs: " + LOSS_CHECKS
+    "the model's outputs are finite, so the nan/inf comes from the loss: check " + LOSS_INPUTS + ", then the "
+    "loss's own operations: " + LOSS_CHECKS
 )
 
 GROWTH_FACTOR = 1e3  # "orders of magnitude": three of them over the steps kept
@@ -190,6 +197,15 @@ class LossEvidence:
     text: str
     low_precision: bool  # the gradient at the model's output lives in fp16: a scaled gradient's overflow is possible
     fix: str = LOSS_FIX
+    verdict: str = ""  # what made it, after the text: the loss's own ops or the other values it is given
+
+
+def _loss_verdict(what: str) -> str:
+    """The loss made it, or one of the values it is given besides the model's outputs was already bad: the monitor
+    sees the model's outputs, never the targets a loss function is given (unless they are marked)."""
+    return (f"either a value the loss is given besides the model's outputs (the targets / labels, a mask, weights) "
+            f"was already {what}, or the loss's own computation made the {what} from those finite outputs; the model "
+            "did not make it")
 
 
 def loss_outside(frames: list[ResolvedFrame], index: int, line: Line) -> LossEvidence | None:
@@ -209,8 +225,13 @@ def loss_outside(frames: list[ResolvedFrame], index: int, line: Line) -> LossEvi
             return None
         return LossEvidence(
             f"the model's outputs were finite, and the value marked {frame.name!r} after its forward is {what}", False,
-            f"the code between the model's output and mark {frame.name!r} made the {what} from finite model outputs "
-            f"(your loss function, if that is what it computes): " + LOSS_CHECKS,
+            f"if {frame.name!r} is computed from the model's outputs (a loss), the code between the model's output and "
+            f"mark {frame.name!r} made the {what}: " + LOSS_CHECKS + f"; if it is a value given to the loss (targets / "
+            f"labels, a mask), it came in {what}: find the bad records where batches are made (assert "
+            "torch.isfinite(targets).all() there)",
+            f"the code computing the marked value made it from those finite outputs (your loss, if that is what it "
+            f"is), or, when the marked value is one the loss is given (targets / labels, a mask), it came in {what}; "
+            "the model did not make it",
         )
     if frame.phase != BWD:
         return None
@@ -219,6 +240,7 @@ def loss_outside(frames: list[ResolvedFrame], index: int, line: Line) -> LossEvi
             return LossEvidence(
                 f"the forward was finite (the model's outputs too) and the gradient the loss sent into the model's "
                 f"output ({who(frame.name, frame.cls)} {line.label}) was already {what}", lowp,
+                verdict=_loss_verdict(what),
             )
         return None
     # grads="params": the bad gradients belong to the module that made the model's output, the first the
@@ -232,23 +254,47 @@ def loss_outside(frames: list[ResolvedFrame], index: int, line: Line) -> LossEvi
     return LossEvidence(
         f"the forward was finite (the model's outputs too), and the first gradients of the backward, those of "
         f"{who(frame.name, frame.cls)} which made the model's output, are already {what}: the gradient the loss sent "
-        "into the model was not finite", lowp,
+        "into the model was not finite", lowp, verdict=_loss_verdict(what),
     )
 
 
+LOSS_LABELS = ("output[loss]", "output.loss")  # the model's own loss: a dict's, a ModelOutput's, a dataclass's
+_FIRST_OUTPUT = ("output", "output[0]")  # a bare tensor, or the first of a tuple: (loss,), (loss, logits)
+
+
+def _scalar_like(line: Line) -> bool:
+    """Every element of the value has one magnitude (abs min = abs max), as a 0-d loss has. (The statistics are
+    all the monitor keeps of a value: its shape is not recorded on the step's hot path.)"""
+    lo, hi = line.abs_min, line.abs_max
+    if lo is None or hi is None or line.dtype is None or not (line.dtype.is_floating_point or line.dtype.is_complex):
+        return False
+    return lo == hi or (math.isnan(lo) and math.isnan(hi))
+
+
+def is_model_loss(frame: ResolvedFrame, line: Line) -> bool:
+    """Is ``line`` the loss the model returns: its ``loss`` output (a dict, a ``ModelOutput``, a dataclass), or its
+    first output (a bare tensor, a tuple ``(loss,)`` or ``(loss, logits)``) when that is a scalar?"""
+    if frame.phase != FWD or not frame.root or not line.label.startswith("output"):
+        return False
+    return line.label in LOSS_LABELS or (line.label in _FIRST_OUTPUT and _scalar_like(line))
+
+
 def model_loss(frame: ResolvedFrame, line: Line) -> tuple[str, list[Line]] | None:
-    """The model computes its own loss (``labels=``): its ``loss`` output is the first bad value and every
+    """The model computes its own loss (``labels=``, or a model that returns only its loss): its loss output
+    (:func:`is_model_loss`) is the first bad value -- every module it ran returned finite values -- and every
     other output is finite, so the loss computation made it. Labels that are all ``-100`` (abs min = abs max
     = 100) are named: a mean cross-entropy over no label is 0/0; so are float labels whose square overflows.
     Returns the text and the lines it quotes besides ``line``."""
-    if frame.phase != FWD or line.label not in ("output[loss]", "output.loss"):
+    if not is_model_loss(frame, line):
         return None
     others = [ln for ln in frame.lines if ln.label.startswith("output") and ln is not line and ln.ref is not None]
-    if not others or not all(ln.finite for ln in others):
+    if not all(ln.finite for ln in others):
         return None
     what = "nan" if math.isnan(line.abs_max) else "inf"
-    text = (f"{who(frame.name, frame.cls)} returned {'a nan' if what == 'nan' else 'an inf'} {line.label} while its "
-            f"other outputs ({', '.join(ln.label for ln in others[:3])}) are finite: the loss computation made it")
+    said = (f"while its other outputs ({', '.join(ln.label for ln in others[:3])}) are finite" if others
+            else "as its only output, while every module it ran returned finite values")
+    text = (f"{who(frame.name, frame.cls)} returned {'a nan' if what == 'nan' else 'an inf'} {line.label} {said}: "
+            f"the loss computation made it")
     labels = next((ln for ln in frame.lines if ln.label in ("input[labels]", "input.labels")), None)
     if labels is not None and labels.abs_min == labels.abs_max == 100:
         text += (f". Every label of this batch is -100 (ignore_index): {labels.label} has abs min = abs max = "

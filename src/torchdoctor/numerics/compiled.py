@@ -278,7 +278,7 @@ def localize(mon: NumericsMonitor, report: NonFiniteReport, frames: list[Resolve
         mon._rec, mon._rerunning = saved, False
     context = frames[: start + call.start]  # earlier micro-batches and steps, then what the re-run saw
     again = build_report(context + inner, mon.max_frames, mon.rank, len(context), mon._hf, judge_params,
-                         mon._growth.read(), mon._optimizer_hooked())
+                         mon._growth.read(), mon._setup())
     if again is None:
         report.notes.append(
             "The model is compiled (torch.compile). This micro-batch was re-run eagerly on the same inputs (RNG "

@@ -10,11 +10,13 @@ against the frames it was built from (:mod:`.evidence`). The rules, in the order
   micro-batch): the data is broken; a non-finite input that no watched module produced while everything the
   model was given was finite: plain code between modules made it;
 - values growing by orders of magnitude over the last steps (:mod:`.causes`): the run diverges;
-- finite model outputs and the first bad value in the model's own loss, a mark after the forward or where the
-  loss's gradient enters the model: the loss made it (:mod:`.causes`);
+- finite model outputs and the first bad value in the model's own loss (named ``loss``, or its only / first output
+  when a scalar), a mark after the forward or where the loss's gradient enters the model: the loss made it, or a
+  value the loss is given besides the model's outputs (targets, masks) was already bad (:mod:`.causes`);
 - in the backward: a gradient overflow (fp16), bf16's rounding, or an op's undefined derivative (fp32);
 - a finite input above the range of the dtype its module computes in (an fp32 value entering an fp16-autocast
-  Linear, after ``keep_fp32`` of the module before it): an overflow of that boundary;
+  Linear, after ``keep_fp32`` of the module before it): an overflow of that boundary, whose fix extends the region
+  already kept in fp32 (:attr:`Setup.kept_fp32`) -- never moves it;
 - a value that sat within 2x of its dtype's maximum just before an inf: an overflow of that dtype;
 - a nan from a finite input whose square overflows the dtype its module computes in, or from an input and a
   weight whose product does; else an invalid operation.
@@ -91,6 +93,47 @@ class Diagnosis:
     region: str | None = None
     fix: str | None = None
     evidence: tuple[Evidence, ...] = ()
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the monitor knows of the run that the advice depends on, beyond the frames.
+
+    ``optimizer``: one was given (``NumericsMonitor(model, optimizer=opt)``). ``manual``: steps end at
+    ``mon.step()`` (``manual_steps=True``, or ``mon.step()`` called), so the check runs there and not in front of
+    the optimizer. ``before_update``: this step was checked before its update was applied (a hooked optimizer, or
+    ``mon.step()`` called before ``optimizer.step()``), so the weights measured now are the ones its forward ran
+    with; ``always_before``: every step so far was, so no update from non-finite gradients was ever applied.
+    ``kept_fp32``: the modules a ``keep_fp32`` guard keeps in fp32 now (qualified names): a fix that adds a
+    region adds it to those."""
+
+    optimizer: bool = False
+    manual: bool = False
+    before_update: bool = False
+    always_before: bool = False
+    kept_fp32: tuple[str, ...] = ()
+
+    @classmethod
+    def hooked(cls, kept_fp32: tuple[str, ...] = ()) -> Setup:
+        """An optimizer checked in front of its step (the default ``NumericsMonitor(model, optimizer=opt)``)."""
+        return cls(True, False, True, True, kept_fp32)
+
+    def region_of(self, name: str) -> str | None:
+        """The module kept in fp32 that ``name`` is (or is inside), if any."""
+        return next((k for k in self.kept_fp32 if not k or k == name or name.startswith(k + ".")), None)
+
+
+def keep_fp32_fix(region: str, kept: tuple[str, ...] = (), why: str = "") -> str:
+    """``torchdoctor.keep_fp32(model, region)``, said to be in addition to the guards already on ``kept`` (a
+    second call of keep_fp32 works beside the first, as written; read as a replacement it would undo what the first
+    one fixed). ``why``: the reason a guard must stay, when one is known."""
+    fix = f"torchdoctor.keep_fp32(model, {region!r})"
+    others = [k for k in kept if k != region]
+    if others:
+        named = ", ".join(repr(k) for k in others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        guards = "that guard" if len(others) == 1 else "those guards"
+        fix += f", in addition to the keep_fp32 already on {named} (leave {guards} on{': ' + why if why else ''})"
+    return fix
 
 
 def common_region(a: str, b: str) -> str:
@@ -272,16 +315,18 @@ def _or_bf16(frames: list[ResolvedFrame], step: int) -> str:
 
 def diagnose(
     frames: list[ResolvedFrame], index: int, line: Line, judge_params: bool = True,
-    trail: list[tuple[int, float]] | None = None, optimizer_hooked: bool = False,
+    trail: list[tuple[int, float]] | None = None, setup: Setup | None = None,
 ) -> Diagnosis:
     """Why the first non-finite ``line`` of ``frames[index]`` went bad. ``trail``: (step, largest finite
     value) of the last healthy steps (:class:`.causes.GrowthTrail`), the evidence of a diverging run.
-    ``optimizer_hooked``: the step is checked before the optimizer applies it (what the advice may assume)."""
+    ``setup``: the optimizer given or not, when the step was checked against its update, the modules kept in fp32
+    (what the advice may assume; :class:`Setup`)."""
+    setup = setup or Setup()
     frame = frames[index]
     what = "nan" if math.isnan(line.abs_max) else "inf"
     bad_weight = frame.phase != BWD and (line.param or any(ln.param and not ln.finite for ln in frame.lines))
     if judge_params and bad_weight:
-        return _bad_weight(frames, index, line, trail, optimizer_hooked)
+        return _bad_weight(frames, index, line, trail, setup)
     if frame.phase not in (BWD, MARK):
         bad_input = next(
             (ln for ln in frame.lines if ln.label.startswith("input") and not ln.finite and not ln.param), None
@@ -296,7 +341,7 @@ def diagnose(
         if got is not None:  # a batch marked before the model was given it
             return _data(frames, index, got, line)
     if bad_weight:  # measured only now (no hooked optimizer): maybe after an update that followed this forward
-        return _bad_weight(frames, index, line, trail, optimizer_hooked, judged=False)
+        return _bad_weight(frames, index, line, trail, setup, judged=False)
     grew = divergence(frames, index, trail)
     if grew is not None:
         return Diagnosis(
@@ -317,13 +362,13 @@ def diagnose(
     loss = causes.loss_outside(frames, index, line)
     if loss is not None:
         if not loss.low_precision:
-            return Diagnosis(causes.LOSS_OUTSIDE_MODEL, f"{loss.text}: the loss made it, not the model.",
+            return Diagnosis(causes.LOSS_OUTSIDE_MODEL, f"{loss.text}: {loss.verdict}.",
                              fix=loss.fix, evidence=(Evidence.of(frame, line),))
         return Diagnosis(
             causes.BACKWARD_OVERFLOW,
             f"{loss.text}. The model's output is {dtype_name(_out_dtype(frames, index))}: either the loss made the "
-            f"{what} (check log/div/sqrt inputs, labels, masks) or the scaled gradient overflowed there: scale "
-            f"the loss (torch.amp.GradScaler){_or_bf16(frames, frame.step)}.",
+            f"{what} (check the targets / labels and masks it is given, and its log/div/sqrt inputs) or the scaled "
+            f"gradient overflowed there: scale the loss (torch.amp.GradScaler){_or_bf16(frames, frame.step)}.",
             evidence=(Evidence.of(frame, line),),
         )
     if frame.phase == BWD:
@@ -337,7 +382,7 @@ def diagnose(
         )
     boundary = _out_of_range_input(frame)
     if boundary is not None:
-        return _boundary_overflow(frames, index, line, *boundary)
+        return _boundary_overflow(frames, index, line, *boundary, setup)
     near = _near_max(frames, index, judge_params)
     if what == "inf" and near is not None and near[2] >= 1 / HEADROOM_FACTOR and near[0].phase != MARK:
         nf, nl, ratio = near
@@ -409,9 +454,9 @@ def diagnose(
 
 
 def _bad_weight(frames: list[ResolvedFrame], index: int, line: Line, trail: list[tuple[int, float]] | None,
-                optimizer_hooked: bool, judged: bool = True) -> Diagnosis:
-    """``judged=False``: the weight was measured as the report was built, which without a hooked optimizer may
-    be after an update that followed the forward being judged."""
+                setup: Setup, judged: bool = True) -> Diagnosis:
+    """``judged=False``: the weight was measured as the report was built, which may be after an update that
+    followed the forward being judged (no optimizer given, or ``mon.step()`` called after ``optimizer.step()``)."""
     frame = frames[index]
     line = line if line.param else next(ln for ln in frame.lines if ln.param and not ln.finite)
     what = "nan" if math.isnan(line.abs_max) else "inf"
@@ -419,22 +464,32 @@ def _bad_weight(frames: list[ResolvedFrame], index: int, line: Line, trail: list
     weight = f"{frame.name}.{line.label}" if frame.name else f"{line.label} of {who(frame.name, frame.cls)}"
     text = f"the weight {weight} is already {what} before this forward"
     if not judged:
+        when = ("With no optimizer given to the monitor, weights are measured only as a report is built" if not
+                setup.optimizer else "This step was checked at mon.step() after optimizer.step() had applied its "
+                "update (with manual steps the check runs at mon.step(), not in front of the optimizer), and the "
+                "weights were measured then")
         text = (f"{who(frame.name, frame.cls)} {line.label} is {what} now and its output went {what} in this forward. "
-                f"With no optimizer hooked, weights are measured only as a report is built, so the monitor cannot "
-                f"tell which came first: the weight was already {what} (loaded that way, or an earlier update wrote "
-                f"it), or the optimizer applied a non-finite update after this forward")
-    elif optimizer_hooked:
+                f"{when}, so the monitor cannot tell which came first: the weight was already {what} (loaded that way, "
+                f"or an earlier update wrote it), or the optimizer applied a non-finite update after this forward")
+    elif setup.always_before:
         # the gradients of every update were checked before it was applied: a non-finite one was never applied
-        text += (": no update from non-finite gradients was applied (each step was checked before the optimizer "
-                 "stepped), so an update from finite gradients made it (a learning rate or an optimizer state "
-                 "that overflowed), or code outside the optimizer wrote it (load_state_dict, an in-place edit, "
-                 "another optimizer)")
+        checked = "the optimizer stepped" if not setup.manual else "optimizer.step(), at mon.step()"
+        text += (f": no update from non-finite gradients was applied (each step was checked before {checked}), so "
+                 "an update from finite gradients made it (a learning rate or an optimizer state that overflowed), or "
+                 "code outside the optimizer wrote it (load_state_dict, an in-place edit, another optimizer)")
     else:
         text += ": it was loaded that way or an earlier optimizer update wrote it"
     text += (f" ({grew}: the run diverged)" if grew else "") + "."
-    if not optimizer_hooked:
+    if not setup.optimizer:
         text += (" Check the checkpoint, and give torchdoctor the optimizer (NumericsMonitor(model, optimizer=opt)) "
-                 "so a non-finite update is stopped before it is applied.")
+                 "so a non-finite update is stopped before it is applied"
+                 + (" (with manual steps, also call mon.step() before optimizer.step(): the check runs there)."
+                    if setup.manual else "."))
+    elif not setup.always_before:
+        text += (" Check the checkpoint, and call mon.step() before optimizer.step() in every step: the optimizer is "
+                 "given, but with manual steps the step is checked at mon.step(), which "
+                 + ("in this step" if not setup.before_update else "in an earlier step")
+                 + " came after the update, so a non-finite update is applied before it is seen.")
     fix = causes.DIVERGENCE_FIX if grew else (
         "check the checkpoint (torch.isfinite on every tensor of its state dict) and whatever writes the weights "
         "between steps")
@@ -442,30 +497,60 @@ def _bad_weight(frames: list[ResolvedFrame], index: int, line: Line, trail: list
 
 
 def _boundary_overflow(frames: list[ResolvedFrame], index: int, line: Line, big: Line,
-                       computed: torch.dtype) -> Diagnosis:
-    """A finite value above the range of the dtype its consumer computes in, entering that consumer."""
+                       computed: torch.dtype, setup: Setup) -> Diagnosis:
+    """A finite value above the range of the dtype its consumer computes in, entering that consumer. When its
+    producer is kept in fp32 by ``keep_fp32`` (:attr:`Setup.kept_fp32`), the fix extends that region -- the
+    consumer as well, or the parent of both -- and says the existing guard stays: the producer's own output does not
+    fit the narrow dtype either, so moving the guard from it to the consumer would bring its overflow back."""
     frame = frames[index]
     made = producer(frames, index, big)
     top = dtype_max(computed)
     source = (f"{who(made.name, made.cls)} made it in {dtype_name(big.dtype)}" if made is not None
               else f"it came in {dtype_name(big.dtype)} from outside any watched module")
     consumer = frame.name or "the model"
+    kept = setup.region_of(made.name) if made is not None and frame.name else None
+    if kept is not None and setup.region_of(frame.name) is not None:
+        kept = None  # (the consumer is kept too: it does not compute in the narrow dtype; not this case)
     text = (
         f"{who(frame.name, frame.cls)} was given {big.label} with abs max {shown(big.abs_max)} ({source}), above "
         f"{dtype_name(computed)}'s max {top:.2e}, and it computes in {dtype_name(computed)} (its output's dtype: "
         f"autocast or a cast brings its input down to it), so the value overflowed at that boundary and its "
-        f"{line.label} is {'nan' if math.isnan(line.abs_max) else 'inf'}. Extend the fp32 region to include "
-        f"{consumer}"
-        + (f" ({made.name or 'the model'} computes in {dtype_name(big.dtype)}, kept in fp32 or upcast, and its output "
-           f"does not fit {dtype_name(computed)})" if made is not None else "")
-        + f", or cast down only where the value fits {dtype_name(computed)} (normalise or scale it first)."
+        f"{line.label} is {'nan' if math.isnan(line.abs_max) else 'inf'}. "
     )
+    region, fix = frame.name or None, None
+    low = dtype_name(computed)
+    if kept is not None:
+        where = who(made.name, made.cls) if kept == made.name else f"{who(made.name, made.cls)}, inside {kept},"
+        text += (f"{where} computes in {dtype_name(big.dtype)} because keep_fp32 keeps {kept} in fp32, and its output "
+                 f"does not fit {low}: ")
+        parent = common_region(kept, frame.name)
+        if parent and kept.count(".") == frame.name.count(".") == parent.count(".") + 1:  # siblings: their parent
+            region = parent
+            text += (f"extend the fp32 region to {parent}, which holds both {kept} and {frame.name} (the guard "
+                     f"already on {kept} may stay), or cast down only where the value fits {low} (normalise or scale "
+                     "it first).")
+            outside = tuple(k for k in setup.kept_fp32 if k != parent and not k.startswith(parent + "."))
+            fix = (f"{keep_fp32_fix(parent, outside)}: it holds both {kept!r} (kept in fp32 now) and {frame.name!r}, "
+                   f"and the guard already on {kept!r} may stay")
+        else:
+            text += (f"extend the fp32 region to {frame.name} as well, keeping the guard on {kept} (moved from {kept} "
+                     f"to {frame.name}, the guard would let {kept} overflow {low} itself), or cast down only where the "
+                     f"value fits {low} (normalise or scale it first).")
+            fix = keep_fp32_fix(frame.name, (kept, *(k for k in setup.kept_fp32 if k != kept)),
+                                f"without the one on {kept!r}, {kept} overflows {low} itself")
+    else:
+        text += (
+            f"Extend the fp32 region to include {consumer}"
+            + (f" ({made.name or 'the model'} computes in {dtype_name(big.dtype)}, kept in fp32 or upcast, and its "
+               f"output does not fit {low})" if made is not None else "")
+            + f", or cast down only where the value fits {low} (normalise or scale it first)."
+        )
     evidence = (Evidence.of(frame, big), Evidence.of(frame, line))
     if made is not None:
         made_line = next((ln for ln in made.lines if ln.ref == big.ref and ln.label.startswith("output")), None)
         if made_line is not None:
             evidence = (Evidence.of(made, made_line), *evidence)
-    return Diagnosis(causes.BOUNDARY_OVERFLOW, text, frame.name or None, evidence=evidence)
+    return Diagnosis(causes.BOUNDARY_OVERFLOW, text, region, fix=fix, evidence=evidence)
 
 
 def _product_overflow(frames: list[ResolvedFrame], index: int, line: Line, x: Line, w: Line,

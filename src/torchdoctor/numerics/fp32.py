@@ -66,7 +66,7 @@ from torch import nn
 
 from .wrappers import named_user_modules
 
-__all__ = ["Fp32Guard", "keep_fp32"]
+__all__ = ["Fp32Guard", "keep_fp32", "kept_in_fp32"]
 
 # Device types torch.autocast knows about. Which of them are valid depends on the torch build, so
 # they are probed once (torch.is_autocast_enabled raises RuntimeError for unknown ones).
@@ -256,6 +256,12 @@ def _rebuild_fp32_forward(
 def _installed_wrapper(module: nn.Module) -> _Fp32Forward | None:
     forward = module.__dict__.get("forward")
     return forward if isinstance(forward, _Fp32Forward) else None
+
+
+def kept_in_fp32(modules: Iterable[tuple[str, nn.Module]]) -> tuple[str, ...]:
+    """The names, among ``(name, module)`` pairs, of the modules a :func:`keep_fp32` guard keeps in fp32 now
+    (an enabled wrapper is installed on them): what a report's advice must extend, never replace."""
+    return tuple(name for name, module in modules if (w := _installed_wrapper(module)) is not None and w.enabled)
 
 
 def _has_own_forward(module: nn.Module) -> bool:

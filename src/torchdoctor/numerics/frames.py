@@ -24,6 +24,7 @@ from .stats import ELSEWHERE, abs_min_max, has_inf, local_part, shard_skip_reaso
 from .windows import StatBuffer, StatRef, lookup
 
 FWD, BWD, MARK = "fwd", "bwd", "mark"
+_LOSS_MODULE = torch.nn.modules.loss._Loss  # the base of torch's loss modules
 
 
 @dataclass(slots=True, eq=False)
@@ -130,6 +131,7 @@ class ResolvedFrame:
     source_ref: StatRef | None = None
     boundary: bool = False  # a compiled region's edge (what is inside was not recorded)
     root: bool = False  # the model itself (its outputs are what a loss outside the model is given)
+    loss_module: bool = False  # one of torch's loss modules (nn.MSELoss, nn.CrossEntropyLoss...): its output is a loss
 
     @property
     def finite(self) -> bool:
@@ -223,11 +225,11 @@ def resolve(frames: list[Frame], values: dict, weight_values: dict | None = None
     ended); measure the parameters not measured then, and the gradients, now."""
     out: list[ResolvedFrame] = []
     for f in frames:
+        module = f.info.module()
         rf = ResolvedFrame(
             f.step, f.phase, f.info.name, f.info.cls, first_of_step=f.first_of_step, source_ref=f.source_ref,
-            boundary=f.info.boundary, root=f.info.is_root,
+            boundary=f.info.boundary, root=f.info.is_root, loss_module=isinstance(module, _LOSS_MODULE),
         )
-        module = f.info.module()
         if f.weights is not None:
             rf.lines.extend(_line(s, weight_values) for s in f.weights)
         elif f.with_params and module is not None:

@@ -94,13 +94,14 @@ class Judging:
             return self._deferred_report, first_bad_code(FORWARD, 0)
         frames, start = self._frames_with_context()
         self._judged_frames = (frames, start)
-        # weights are measured now: without a hooked optimizer they may have changed since the forward
-        judge_params = self._optimizer_hooked() or self._hf
+        # weights are measured now: unless the step is checked before its update, they may have changed since the
+        # forward (no optimizer given, or mon.step() after optimizer.step())
+        setup = self._setup()
+        judge_params = setup.before_update or self._hf
         if check_grads and find_first_bad(frames, start, self._hf, judge_params) is None:
             frames += self._param_grad_frames(step)
         trail = self._growth.read()
-        report = build_report(frames, self.max_frames, self.rank, start, self._hf, judge_params, trail,
-                              self._optimizer_hooked())
+        report = build_report(frames, self.max_frames, self.rank, start, self._hf, judge_params, trail, setup)
         if report is not None and self._regions:
             report = localize(self, report, frames, start, judge_params)
         if report is None:  # this rank's own flags were bad, but no value it can name (gradients gone)
@@ -128,7 +129,9 @@ class Judging:
                 "were gone (zero_grad) by the time the step was checked, so which one is unknown. "
                 + ("" if self._optimizer_hooked() else
                    "Pass the optimizer (NumericsMonitor(model, optimizer=opt)) so the step is checked before the "
-                   "update is applied, or call mon.step() before optimizer.step(); ")
+                   "update is applied, or call mon.step() before optimizer.step(); " if self.optimizer is None else
+                   "The optimizer is given, but with manual steps the check runs at mon.step(): call it before "
+                   "optimizer.step() and zero_grad(), so the step is checked with its gradients, before its update; ")
                 + "grads='modules' names the module. Under "
                 "a loss scaler, pass it too (scaler=...): its overflows are then recorded, not raised.",
                 rank=self.rank, cause=causes.UNKNOWN_GRADIENT,
@@ -158,9 +161,7 @@ class Judging:
         """Is the step's only non-finite value its loss, with every gradient checked and finite (:mod:`.loss_warning`)?
         Not under torch.distributed: the ranks would need one more shared verdict to decide alike, so there such a
         step still stops the run."""
-        if report.cause not in (causes.MODEL_LOSS, causes.LOSS_OUTSIDE_MODEL):
-            return False
-        if not only_the_loss(report, frames, start):
+        if not only_the_loss(report, frames, start):  # the values decide, whichever rule named them
             return False
         if not check_grads or not self._rec.backward_ran or self._deferred_report is not None:
             return False  # gradients not watched, or no backward: nothing says the update is sound

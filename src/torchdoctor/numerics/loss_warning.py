@@ -8,10 +8,14 @@ no parameter depends on. So the monitor reports it as a *warning* (:data:`.cause
 written to disk, a :class:`~.errors.NonFiniteWarning` names its path, and the report is kept in the monitor's
 ``warnings`` list; the run goes on.
 
-The monitor sees the loss where it is a judged value: the model's own ``loss`` output (a transformers model
-given ``labels``, as the HF Trainer calls it) or a ``mark()`` after the model's forward. Every other judged value
-of the step must be finite, and the gradients must have been checked (``grads`` other than ``"none"``, a
-backward ran) and found finite.
+The monitor sees the loss where it is a judged value: the model's own loss output -- ``loss`` in a dict, a
+``ModelOutput`` or a dataclass (a transformers model given ``labels``, as the HF Trainer calls it), or the model's
+only or first output when that is a scalar (``return loss``, ``(loss,)``, ``(loss, logits)``) -- the output of a
+module the model computes it with (``self.criterion``), or a ``mark()`` after the model's forward. Every other
+judged value of the step must be finite, and the gradients must have been checked (``grads`` other than
+``"none"``, a backward ran) and found finite. The values decide, not the rule that explains them: an inf loss in
+fp32 with no value near the limit (a "range overflow"), in an fp16-autocast step, or of any micro-batch is the
+same warning.
 """
 
 from __future__ import annotations
@@ -22,30 +26,50 @@ import sys
 
 import torch
 
+from .causes import LOSS_LABELS, is_model_loss
 from .frames import BWD, FWD, MARK, ResolvedFrame
 from .render import who
 from .report import NonFiniteReport
 
 _LOOPS = ("transformers", "accelerate", "deepspeed")  # training loops whose callers are the user's line
 _OURS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(torch.__file__)))
+__all__ = ["LOSS_LABELS", "as_warning", "loss_name", "only_the_loss", "user_stacklevel"]
 
-LOSS_LABELS = ("output[loss]", "output.loss")
+
+def _loss_refs(frames: list[ResolvedFrame], start: int) -> set:
+    """The values the model returned under the name ``loss`` in the step: a module that computed that very tensor
+    (a loss module of the user's, ``return {"loss": self.criterion(logits, labels)}``) made the loss. (An unnamed
+    scalar output counts only where the model's own code or one of torch's loss modules made it: the last Linear
+    of a model given a batch of one returns a scalar too.)"""
+    return {ln.ref for f in frames[start:] if f.phase == FWD and f.root for ln in f.lines
+            if ln.ref is not None and ln.label in LOSS_LABELS}
 
 
 def _loss_lines_only(frames: list[ResolvedFrame], start: int) -> bool:
-    """Is every judged non-finite value of the step (``frames[start:]``) an inf loss: the model's own ``loss``
-    output, or a mark made after a call of the model? (A nan loss still stops the run: a nan is an invalid
-    computation -- a mean over no label, 0/0 -- even where its gradients come out finite.)"""
+    """Is every judged non-finite value of the step (``frames[start:]``) an inf loss: the model's own loss output
+    (``loss``, or its only / first output when that is a scalar: :func:`.causes.is_model_loss`), the output of a
+    module that computed it or of one of torch's loss modules (``nn.MSELoss``...) the model runs, or a mark made
+    after a call of the model? It is the values that decide, whichever rule explains them. (A nan loss still stops
+    the run: a nan is an invalid computation -- a mean over no label, 0/0 -- even where its gradients come out
+    finite.)"""
+    refs = None
     seen_root = False
     bad = False
     for f in frames[start:]:
         for ln in f.lines:
             if ln.finite or not ln.judged:
                 continue
-            if f.phase == BWD:
+            if f.phase == BWD or math.isnan(ln.abs_max):
                 return False
-            loss = (f.phase == FWD and f.root and ln.label in LOSS_LABELS) or (f.phase == MARK and seen_root)
-            if not loss or math.isnan(ln.abs_max):
+            if f.phase == MARK:
+                loss = seen_root
+            elif f.root:
+                loss = is_model_loss(f, ln)
+            else:
+                if refs is None:
+                    refs = _loss_refs(frames, start)
+                loss = ln.label.startswith("output") and not ln.param and (ln.ref in refs or f.loss_module)
+            if not loss:
                 return False
             bad = True
         seen_root = seen_root or (f.phase == FWD and f.root)
@@ -69,8 +93,8 @@ def as_warning(report: NonFiniteReport, cause: str) -> None:
         f"the loss is {value} while every gradient of this step is finite, so the update was applied and the run "
         f"goes on; the loss you log reads {value} (the HF Trainer's logging_nan_inf_filter, on by default, leaves "
         "it out of its logs). A loss term whose value overflows while its derivative stays finite (the squared "
-        "error of a huge target, a sum that overflows its dtype) or that no parameter depends on does this. "
-        + rest[:1].upper() + rest[1:]
+        "error of a huge target, a sum that overflows its dtype) or that no parameter depends on does this. In this "
+        f"step, {rest}"  # (as the rule wrote it: a module's name is not capitalised)
     )
     report.cause = cause
     report.severity = "warn"

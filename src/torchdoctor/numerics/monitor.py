@@ -127,13 +127,15 @@ class NumericsMonitor(Recording, Stepping, Judging):
         sync_ranks (bool, optional): under torch.distributed, share the step's verdict with one tiny
             all_reduce so that every rank stops together (default: when initialized with >1 rank).
         manual_steps (bool): steps end only at :meth:`step`, from the very first one (otherwise that
-            is known only once step() is first called; say so when a step has several forwards).
+            is known only once step() is first called; say so when a step has several forwards). The check
+            then runs at step(), not in front of the optimizer: call it before ``optimizer.step()``.
         stream (TextIO, optional): where traces are printed. Defaults to sys.stdout.
 
     Attributes:
         report (NonFiniteReport | None): the last detection, the one raised as :class:`NonFiniteError`.
         warnings (list[NonFiniteReport]): findings the run survives, in order: a step whose loss (the model's own
-            ``loss`` output, or a ``mark()`` after its forward) is inf while every gradient is finite. Each is
+            ``loss`` output, its only or first output when that is a scalar, a loss module's output, or a ``mark()``
+            after its forward) is inf while every gradient is finite, whatever rule explains it. Each is
             written to ``torchdoctor-nonfinite-loss-rank<r>.txt`` / ``.json``, logged, and warned about
             (:class:`NonFiniteWarning`, with the report's path); its update is applied and the run goes on.
         overflows (list[OverflowEvent]): steps a loss scaler skipped.
@@ -197,6 +199,10 @@ class NumericsMonitor(Recording, Stepping, Judging):
         self._consecutive_overflows = 0
         self._manual = manual_steps
         self._optimizer_stepped = False
+        # manual steps with an optimizer given: the last step whose optimizer.step() came before its mon.step(), and
+        # whether any did (the check then followed the update: what a report's advice says)
+        self._updated_in: int | None = None
+        self._late_check = False
         self._tracer = TraceWriter(self.report_dir, self.rank, stream)
         self._stash: StepRecord | None = None  # the training step, while an evaluation forward records
         self._deferred_report: NonFiniteReport | None = None  # DDP: an evaluation pass went bad

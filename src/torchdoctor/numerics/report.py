@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..jsonfile import dumps
-from .diagnosis import HEADROOM_FACTOR, Evidence, backward_consumer, common_region, diagnose
+from .diagnosis import HEADROOM_FACTOR, Evidence, Setup, backward_consumer, common_region, diagnose, keep_fp32_fix
 from .frames import BWD, Line, ResolvedFrame
 from .render import format_frames, who
 
 __all__ = [
-    "HEADROOM_FACTOR", "FirstNonFinite", "NonFiniteReport", "backward_consumer", "build_report", "common_region",
-    "find_first_bad", "fix_keep_fp32",
+    "HEADROOM_FACTOR", "FirstNonFinite", "NonFiniteReport", "Setup", "backward_consumer", "build_report",
+    "common_region", "find_first_bad", "fix_keep_fp32",
 ]
 
 
@@ -51,6 +51,8 @@ class NonFiniteReport:
     marker: Line | None = None
     notes: list[str] = field(default_factory=list)
     fp32_region: str | None = None  # the module to keep in fp32, when that is the fix
+    # the modules keep_fp32 kept in fp32 when the report was made: a keep_fp32 fix adds fp32_region to them
+    fp32_kept: list[str] = field(default_factory=list)
     position: int = 0  # where the first bad frame sits in its step (ranks compare it)
     boundary: bool = False  # that frame is a compiled region's edge
     cause: str | None = None  # the diagnosis' stable id (causes.CAUSES)
@@ -102,6 +104,7 @@ class NonFiniteReport:
             "evidence": [e.to_json() for e in self.evidence],
             "fix": self.fix,
             "fp32_region": self.fp32_region,
+            "fp32_kept": self.fp32_kept,
             "notes": self.notes,
             "frames": [f.to_json() for f in self.frames],
             "cited": [f.to_json() for f in self.cited],
@@ -156,17 +159,19 @@ def build_report(
     judge_inputs: bool = True,
     judge_params: bool = True,
     trail: list[tuple[int, float]] | None = None,
-    optimizer_hooked: bool = False,
+    setup: Setup | None = None,
 ) -> NonFiniteReport | None:
     """The report for the first non-finite value in ``frames[start:]`` (None when all are finite);
     the frames before ``start`` (earlier, already checked steps) are shown as context only.
-    ``optimizer_hooked``: the step was checked before the optimizer stepped (the advice may assume it)."""
+    ``setup``: what the advice may assume beyond the frames (:class:`~.diagnosis.Setup`: the optimizer given, the
+    step checked before its update, the modules kept in fp32)."""
+    setup = setup or Setup()
     found = find_first_bad(frames, start, judge_inputs, judge_params)
     if found is None:
         return None
     index, line = found
     frame = frames[index]
-    why = diagnose(frames, index, line, judge_params, trail, optimizer_hooked)
+    why = diagnose(frames, index, line, judge_params, trail, setup)
     value = "nan" if math.isnan(line.abs_max) else "inf"
     consumer = backward_consumer(frames, index) if frame.phase == BWD and not line.label.startswith("grad:") else None
     if consumer is not None:
@@ -174,9 +179,10 @@ def build_report(
     else:
         first = FirstNonFinite(frame.step, frame.phase, frame.name, frame.cls, line.label, value)
     shown = frames[max(0, index - max_frames) : index + 1]
-    return NonFiniteReport(frame.step, first, shown, why.text, why.fix or fix_keep_fp32(why.region), rank=rank,
-                           marker=line, fp32_region=why.region, position=index - start, boundary=frame.boundary,
-                           cause=why.cause, evidence=why.evidence, cited=_cited(why.evidence, shown))
+    fix = why.fix or fix_keep_fp32(why.region, setup.kept_fp32)
+    return NonFiniteReport(frame.step, first, shown, why.text, fix, rank=rank, marker=line, fp32_region=why.region,
+                           position=index - start, boundary=frame.boundary, cause=why.cause, evidence=why.evidence,
+                           cited=_cited(why.evidence, shown), fp32_kept=list(setup.kept_fp32))
 
 
 def _cited(evidence: tuple[Evidence, ...], shown: list[ResolvedFrame]) -> list[ResolvedFrame]:
@@ -196,6 +202,8 @@ def _cited(evidence: tuple[Evidence, ...], shown: list[ResolvedFrame]) -> list[R
     return list(out.values())
 
 
-def fix_keep_fp32(region: str | None) -> str | None:
-    """The one-line fix for a region that should run in fp32 (None when there is none)."""
-    return None if region is None else f"torchdoctor.keep_fp32(model, {region!r})"
+def fix_keep_fp32(region: str | None, kept: tuple[str, ...] = ()) -> str | None:
+    """The one-line fix for a region that should run in fp32 (None when there is none). ``kept``: the modules a
+    keep_fp32 guard keeps in fp32 now; the fix adds the region to them, and says so
+    (:func:`.diagnosis.keep_fp32_fix`)."""
+    return None if region is None else keep_fp32_fix(region, kept)

@@ -18,8 +18,10 @@ from typing import Any
 import torch
 
 from .compiled import Regions
+from .diagnosis import Setup
 from .engines import MonitorWarning
 from .errors import AbortAfterStep, NonFiniteError
+from .fp32 import kept_in_fp32
 from .report import NonFiniteReport, build_report
 from .stats import all_finite
 from .step import StepRecord
@@ -47,22 +49,41 @@ class Stepping:
         return self.optimizer is None and not self._manual and self.scaler is None
 
     def _optimizer_hooked(self) -> bool:
-        """Is the step checked before the update (in front of the optimizer's step)?"""
+        """Is the step checked in front of the optimizer's step (its pre-hook ends the step)?"""
         return self.optimizer is not None and not self._manual
+
+    def _checked_before_update(self) -> bool:
+        """Is the step being judged checked before its update was applied: in front of the hooked optimizer, or, with
+        manual steps, at a ``mon.step()`` that came before this step's ``optimizer.step()``? (Without an optimizer
+        the monitor cannot see when the update comes.)"""
+        if self.optimizer is None:
+            return False
+        return not self._manual or self._updated_in != self.step_index
+
+    def _setup(self) -> Setup:
+        """What a report's advice may assume beyond its frames (:class:`~.diagnosis.Setup`). Report time only."""
+        before = self._checked_before_update()
+        return Setup(self.optimizer is not None, self._manual, before, before and not self._late_check,
+                     kept_in_fp32(self._engine.modules()))
 
     # ------------------------------------------------------------------ step boundaries
     def step(self) -> None:
-        """End a training step by hand (when no optimizer was given): check it, then start the next."""
+        """End a training step by hand: check it, then start the next. With an optimizer given, call it before
+        ``optimizer.step()`` (and ``zero_grad()``): a bad step then raises before its update is applied."""
         self._manual = True
         self._hook_param_grads()
         self._forward_pending = False
         self._close_step("manual")
 
     def on_pre_step(self, *_: Any, **__: Any) -> None:
-        """The optimizer is about to apply the step: check it first."""
+        """The optimizer is about to apply the step: check it first (with manual steps, note that this step's update
+        comes before its check at mon.step(), for the advice of a report)."""
         if self._active and not self._manual:
             self._close_step("optimizer", abort_check=False)
             self._optimizer_stepped = True  # scaler.update() of this step has nothing left to check
+        elif self._active and not self._rec.empty:
+            self._updated_in = self.step_index
+            self._late_check = True
 
     def on_post_step(self, *_: Any, **__: Any) -> None:
         if self._active and not self._manual:
@@ -261,8 +282,7 @@ class Stepping:
         flag = self._rec.activation_flag()
         if flag is not None and not bool(flag.item()):
             frames, start = self._frames_with_context()
-            report = build_report(frames, self.max_frames, self.rank, start, self._hf,
-                                  optimizer_hooked=self._optimizer_hooked())
+            report = build_report(frames, self.max_frames, self.rank, start, self._hf, setup=self._setup())
             if report is not None:
                 self._on_failed_forward_report(report)
                 return
@@ -283,7 +303,8 @@ class Stepping:
         flag = self._rec.activation_flag()
         done, self._rec, self._stash = self._rec, self._stash, None
         if flag is not None and not bool(flag.item()):
-            report = build_report(self._resolved([done]), self.max_frames, self.rank, 0, self._hf)
+            report = build_report(self._resolved([done]), self.max_frames, self.rank, 0, self._hf,
+                                  setup=self._setup())
             assert report is not None
             report.notes.append("This was a forward under torch.no_grad() (evaluation or generation).")
             if self._sync_ranks:
