@@ -20,8 +20,8 @@ from conftest import boom_mlp, gpt2_batch, tiny_gpt2
 from torchdoctor import NonFiniteError, NumericsMonitor, keep_fp32
 from torchdoctor.demo.model import build_demo, train_steps
 from torchdoctor.numerics import causes
-from torchdoctor.numerics.diagnosis import compute_dtype, shown
 from torchdoctor.numerics.evidence import contradictions
+from torchdoctor.numerics.ranges import compute_dtype, shown
 
 FP16_MAX = torch.finfo(torch.float16).max
 

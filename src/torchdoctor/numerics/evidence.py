@@ -17,8 +17,8 @@ import torch
 
 from . import causes
 from .causes import low_precision, narrow_range
-from .diagnosis import compute_dtype, dtype_max, product_overflow, shown
 from .frames import BWD, MARK, Line, ResolvedFrame
+from .ranges import compute_dtype, dtype_max, product_overflow, shown
 from .render import who
 from .report import NonFiniteReport
 
