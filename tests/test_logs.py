@@ -388,11 +388,17 @@ def test_cli_unreadable_files_exit_2_with_a_clear_message(tmp_path, capsys):
     assert cli(str(tmp_path / "missing.log")) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"torchdoctor logs: cannot read {tmp_path / 'missing.log'}: No such file or directory")
-    for n, blob in enumerate((gzip.compress(bytes(range(256)) * 40)[:200], b"\x1f\x8b\x08 not gzip at all")):
+    # a gzip file that gives no text at all cannot be read: a damaged header, or one cut inside its header (one cut
+    # after some text is read up to there: tests/test_inputs_gzip.py)
+    for n, blob in enumerate((gzip.compress(bytes(range(256)) * 40)[:10], b"\x1f\x8b\x08 not gzip at all")):
         bad = tmp_path / f"bad{n}.gz"
         bad.write_bytes(blob)
         assert cli(str(bad)) == 2
         assert f"cannot read {bad}: " in capsys.readouterr().err
+    cut = tmp_path / "cut.gz"
+    cut.write_bytes(gzip.compress(bytes(range(256)) * 40)[:200])  # cut after some text: read up to there, a warning
+    assert cli(str(cut), "--json") == 0
+    assert [f["id"] for f in json.loads(capsys.readouterr().out)["findings"]][0] == "logs.gzip-truncated"
     assert cli(str(tmp_path)) == 2  # a directory
     capsys.readouterr()
     assert cli(str(tmp_path / "missing.log"), str(FIX / "cuda_oom.log")) == 2  # the readable one is still reported

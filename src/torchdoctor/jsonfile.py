@@ -3,7 +3,8 @@
 :func:`load_object` reads a file (or ``-``: standard input) that must hold one JSON object, and every way that can
 go wrong is a :class:`JsonFileError` whose message is ready to print -- never a traceback:
 
-- a missing file, a directory, an unreadable file;
+- a missing file, a directory, an unreadable file (a symlink loop says so: "Too many levels of symbolic links");
+  ``-`` when the process has no standard input (``<&-``): "standard input is closed";
 - more than :data:`MAX_BYTES` (16 MiB; a config is a few KB): a file that size is refused before it is read, and a
   pipe, standard input or a device that never ends (``/dev/zero``, ``cat /dev/zero |``) is read up to the cap and
   refused there, so memory stays bounded whatever the source (a FIFO is read as it is written: ``<(...)`` works);
@@ -24,6 +25,7 @@ strings rather than null).
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import json.decoder
@@ -36,8 +38,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["JsonFileError", "load_object", "read_limited", "located", "dumps", "json_safe", "MAX_DEPTH", "MAX_BYTES",
-           "PICKLE_SUFFIXES", "PICKLE_HINT"]
+__all__ = ["JsonFileError", "load_object", "read_limited", "stdin_closed", "STDIN_CLOSED", "located", "dumps",
+           "json_safe", "MAX_DEPTH", "MAX_BYTES", "PICKLE_SUFFIXES", "PICKLE_HINT"]
 
 MAX_DEPTH = 100
 # The most torchdoctor reads of one JSON file. DeepSpeed configs, TrainingArguments and model config.json files are
@@ -47,6 +49,7 @@ _CHUNK = 1 << 20
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 PICKLE_HINT = "torchdoctor never unpickles files (loading a pickle runs any code inside it); pass a JSON file."
 STDIN = "-"
+STDIN_CLOSED = "standard input is closed"  # what every reader of `-` says when there is none (`<&-`)
 _STDIN_NAME = "<stdin>"
 _EXCERPT = 100  # longest source line shown whole; longer ones are cut around the column
 _TOO_DEEP = object()
@@ -239,6 +242,15 @@ def _too_big(name: str, what: str, limit: int, mode: int | None, size: int | Non
     return JsonFileError(f"{head}; one is a few KB: is it the right file?")
 
 
+def stdin_closed() -> bool:
+    """Whether this process has no standard input (``<&-``: Python then sets ``sys.stdin`` to None).
+
+    The descriptor 0 is not looked at: in such a process the first file it opens gets descriptor 0, and reading
+    that for ``-`` would read some other file."""
+    stdin = sys.stdin
+    return stdin is None or getattr(stdin, "closed", False)
+
+
 def read_limited(path: str, what: str, *, limit: int = MAX_BYTES, pickle_hint: str = PICKLE_HINT) -> tuple[str, bytes]:
     """(the name to show, the bytes) of the file at ``path`` (``-``: standard input), at most ``limit`` bytes.
 
@@ -246,16 +258,23 @@ def read_limited(path: str, what: str, *, limit: int = MAX_BYTES, pickle_hint: s
     ``limit`` and refused when it goes on, so nothing reads without end. Pickle names are refused unopened.
 
     Raises:
-        JsonFileError: the message names the file and says why (missing, a directory, unreadable, too big).
+        JsonFileError: the message names the file and says why (missing, a directory, unreadable, too big; for
+            ``-``, that standard input is closed).
     """
     if not path:
         raise JsonFileError(f"an empty file name: pass {what} (a JSON file, or - for standard input)")
     if path == STDIN:
+        if stdin_closed():
+            raise JsonFileError(f"{_STDIN_NAME}: {STDIN_CLOSED}; pass {what} as a file, or pipe it in")
         try:
             stream = sys.stdin.buffer
             mode = _mode(stream)
             raw = _read_at_most(stream, limit)
-        except (OSError, AttributeError, ValueError) as e:
+        except OSError as e:
+            if e.errno == errno.EBADF:
+                raise JsonFileError(f"{_STDIN_NAME}: {STDIN_CLOSED}; pass {what} as a file, or pipe it in") from None
+            raise JsonFileError(f"{_STDIN_NAME}: cannot read standard input: {e.strerror or e}") from None
+        except (AttributeError, ValueError) as e:  # a replaced sys.stdin without a binary buffer, or closed
             raise JsonFileError(f"{_STDIN_NAME}: cannot read standard input: {e}") from None
         if len(raw) > limit:
             raise _too_big(_STDIN_NAME, what, limit, mode)
@@ -272,6 +291,9 @@ def read_limited(path: str, what: str, *, limit: int = MAX_BYTES, pickle_hint: s
                 raise _too_big(path, what, limit, st.st_mode, st.st_size)
             raw = _read_at_most(f, limit)
     except FileNotFoundError:
+        if os.path.islink(path):
+            raise JsonFileError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist ({what})") \
+                from None
         raise JsonFileError(f"{path}: no such file ({what})") from None
     except IsADirectoryError:
         raise JsonFileError(f"{path}: is a directory; pass {what} (a JSON file)") from None

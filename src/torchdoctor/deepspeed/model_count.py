@@ -97,14 +97,39 @@ def choose_class(cfg: Any, transformers, requested: str | None = None) -> tuple[
 
 
 def _config_path(path: str) -> str:
+    """The config file ``--model`` names: ``path/config.json`` for a folder, else ``path`` itself.
+
+    Whatever exists under that name -- a file, a FIFO or ``<(...)``, a device, a directory, a symlink loop or a
+    dangling link -- is handed to jsonfile's capped reader, which says what it is (``is a directory``, ``a character
+    device that did not end within 16 MiB``, ``Too many levels of symbolic links``), as for every JSON input; only
+    a name that is not there at all is "no such file" or "the folder has no config.json"."""
     if os.path.isdir(path):
         cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
+        if not os.path.lexists(cfg_path):
             raise ModelCountError(f"--model {path}: the folder has no config.json")
         return cfg_path
-    if os.path.exists(path):  # a file, or a FIFO / <(...) / device: jsonfile reads it, up to its size cap
+    if os.path.lexists(path):
         return path
     raise ModelCountError(f"--model {path}: no such file or folder")
+
+
+def _config_from(raw: dict, transformers) -> tuple[Any, str | None]:
+    """(the transformers config of the JSON object already read, None), or (None, why transformers refused it, in
+    one line). Built by ``AutoConfig.from_pretrained`` on a copy in a folder of its own, so transformers' own reading
+    applies (its model_type table and quirks) without opening the user's file again: a FIFO or ``<(...)`` is read
+    once, through jsonfile's cap, and a file that changed in between is not read twice."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="torchdoctor-config-") as folder:
+        copy = os.path.join(folder, "config.json")
+        with open(copy, "w", encoding="utf-8") as f:
+            json.dump(raw, f)  # NaN / Infinity kept as written: transformers' json.load takes them, as ours did
+        try:
+            return transformers.AutoConfig.from_pretrained(folder, local_files_only=True), None
+        except Exception as e:  # noqa: BLE001 -- any refusal is the user's config, said in one line
+            lines = str(e).strip().splitlines() or [type(e).__name__]  # transformers' messages run over lines
+            return None, lines[0].replace(copy, "config.json").replace(folder, "the model folder")
 
 
 def model_counts(path: str, model_class: str | None = None) -> dict[str, Any]:
@@ -140,11 +165,9 @@ def model_counts(path: str, model_class: str | None = None) -> dict[str, Any]:
             from None
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    try:
-        cfg = transformers.AutoConfig.from_pretrained(cfg_path, local_files_only=True)
-    except Exception as e:
-        raise ModelCountError(f"--model {cfg_path}: transformers {transformers.__version__} cannot read it: {e}") \
-            from None
+    cfg, why = _config_from(raw, transformers)
+    if cfg is None:
+        raise ModelCountError(f"--model {cfg_path}: transformers {transformers.__version__} cannot read it: {why}")
     cls, why = choose_class(cfg, transformers, model_class)
     try:
         with torch.device("meta"):

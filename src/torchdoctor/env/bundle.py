@@ -405,8 +405,9 @@ def load_training_args(spec: str) -> dict:
         raise BundleError(f"{path}: training_args.bin and other {os.path.splitext(path)[1]} files are pickles. "
                           + _PICKLE_HINT)
     # Anything that exists and is not a folder is read as a file: a FIFO or <(...) too, and /dev/zero is refused
-    # at jsonfile's size cap instead of being taken for a string of options.
-    if os.path.exists(path):
+    # at jsonfile's size cap instead of being taken for a string of options. lexists: a symlink loop or a dangling
+    # link is a file name too, and jsonfile says what is wrong with it (as for every other JSON input).
+    if os.path.lexists(path):
         args = _read_json_object(path, "a TrainingArguments file (to_json_string() output)", _PICKLE_HINT)
         info = _ta_fields()  # after the file is read: a file that cannot be read is said before transformers loads
         table = info[0] if info else None

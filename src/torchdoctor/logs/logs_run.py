@@ -3,6 +3,11 @@
 Prints a condensed timeline (runs of the same event folded to their first and last line) and the findings:
 fp16 loss-scale collapse, non-finite loss, NCCL timeouts and errors, CUDA and host out-of-memory, killed ranks,
 CUDA/compiler build failures. Exit codes: 0 nothing failed, 1 a ``fail`` finding, 2 a file could not be read.
+
+A gzip log cut short (half of a file: a log copied while its job still wrote it) or damaged part-way is read up to
+there, as ``zcat`` prints what it can: the findings are from those lines, with a warning that says the file ends
+early or is damaged and after how many lines (``logs.gzip-truncated``, ``logs.gzip-corrupt``); the exit code
+follows the findings. One that gives no text at all (a damaged header) cannot be read: exit 2.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import sys
 from typing import Any
 
 from ..findings import render_text, use_color
-from ..jsonfile import dumps
+from ..jsonfile import STDIN_CLOSED, dumps, stdin_closed
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 EXAMPLES = [
@@ -74,7 +79,8 @@ def condense(timeline: list[dict], max_groups: int = MAX_GROUPS) -> list[str]:
 
 
 class NotALog(OSError):
-    """A source that is no log: a folder, or a device that is not a terminal (``/dev/zero`` would stream forever)."""
+    """A source that is no log: a folder, a device that is not a terminal (``/dev/zero`` would stream forever), or
+    ``-`` when standard input is closed."""
 
 
 def _refuse_non_logs(f, name: str) -> None:
@@ -96,6 +102,8 @@ def _analyze(path: str):
     from .analyze import analyze_stream, open_stream
 
     if path == "-":  # plain or gzip, sniffed like a file (gzip -c train.log | torchdoctor logs -)
+        if stdin_closed():  # `<&-`: descriptor 0 may be some other file this process opened, never read it
+            raise NotALog(0, f"{STDIN_CLOSED}; pass the log files, or pipe a log in (... | torchdoctor logs -)")
         _refuse_non_logs(sys.stdin.buffer, "standard input")
         return analyze_stream(open_stream(sys.stdin.buffer))
     with open(path, "rb") as f:
