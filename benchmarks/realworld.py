@@ -271,6 +271,11 @@ def eval_configs(corpus: Path) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for i, path in enumerate(files, 1):
             print(f"  configs {i}/{len(files)} {path.name}", file=sys.stderr)
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except ValueError as e:  # a template its launcher fills in: no config DeepSpeed could read
+                print(f"  configs {i}/{len(files)} skipped, not JSON ({e}): {path.name}", file=sys.stderr)
+                continue
             for who in ("deepspeed", "hf"):
                 rows.append(config_row(path, who, tmp))
     return rows
