@@ -53,6 +53,8 @@ def test_demo_finds_the_overflow_and_the_fix_works(tmp_path):
         (["--seed", str(2**64 - 1)], "--seed: must be from 0 to 2**64-2"),
         (["--seed", "-1"], "--seed: must be from 0 to 2**64-2"),
         (["--seed", "x"], "--seed: must be a whole number (0 to 2**64-2), got 'x'"),
+        (["--seed", "1_0"], "--seed: must be a whole number (0 to 2**64-2), got '1_0'"),  # int() would take it
+        (["--steps", "٣"], "--steps: must be a whole number of steps (1 or more), got '٣'"),  # so would it this
         (["--level", "x"], "unrecognized arguments: --level x"),
     ],
 )

@@ -54,7 +54,7 @@ def test_local_rank_killed_before_joining_is_named_at_once_with_its_signal():
     assert by_rank[1]["status"] == "broken" and by_rank[1]["detail"] == "was killed by SIGKILL before joining"
     for r in (0, 2):
         assert by_rank[r]["status"] == "ok"
-        assert by_rank[r]["detail"] == "stopped in join: rank 1 was killed by SIGKILL"
+        assert by_rank[r]["detail"] == "cut short in join by another rank: rank 1 was killed by SIGKILL"
 
 
 def test_local_rank_killed_while_its_peer_waits_in_init_is_named_at_once():

@@ -176,11 +176,11 @@ def read(stream, into, watch=False):
 
 threading.Thread(target=read, args=(p.stdout, out), daemon=True).start()
 threading.Thread(target=read, args=(p.stderr, err, True), daemon=True).start()
-if action == "ctrl-c-early":  # as soon as both ranks run: they are still importing torch
+if action.endswith("-early"):  # as soon as both ranks run (exec'd: RANK is in their environment): still importing torch
     deadline = time.monotonic() + 180
     while len(ranks_of(p.pid)) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    action = "ctrl-c"
+    action = action.removesuffix("-early")
 else:
     assert bench.wait(180), "".join(t for _, t in err)
     time.sleep(1.0)
@@ -207,9 +207,21 @@ elif action == "sigint":
     p.send_signal(signal.SIGINT)
 elif action == "stop-rank-1":
     os.kill(ranks[1], signal.SIGSTOP)
+elif action == "term-rank-1":  # a SIGTERM to one rank's own process, not through the launcher
+    os.kill(ranks[1], signal.SIGTERM)
+elif action in ("sigterm", "sighup"):  # what `timeout` / `kill` / a closed terminal send to the command
+    p.send_signal(signal.SIGTERM if action == "sigterm" else signal.SIGHUP)
 rc = p.wait(timeout=300)
 time.sleep(0.5)
-print(json.dumps({"ranks": ranks, "rc": rc, "states": states, "exit_s": time.monotonic() - t0,
+
+def state(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+after = {r: state(pid) for r, pid in ranks.items()}  # None: gone (a zombie would be "Z")
+print(json.dumps({"ranks": ranks, "rc": rc, "states": states, "after": after, "exit_s": time.monotonic() - t0,
                   "verdict_s": out[0][0] - t0 if out else None,
                   "stdout": "".join(t for _, t in out), "stderr": "".join(t for _, t in err)}), flush=True)
 os._exit(0)
@@ -218,9 +230,9 @@ os._exit(0)
 BENCH_FOREVER = ("--bench", "--sizes", "8M", "--iters", "100000")  # all_reduce 8M runs (practically) forever
 
 
-def drive(action: str, *args: str) -> tuple[dict, object]:
+def drive(action: str, *args: str, **env: str) -> tuple[dict, object]:
     b = run_bounded([sys.executable, "-c", DRIVER, action, *args], mem_bytes=4 * GIB, max_procs=256, timeout=400,
-                    env=_env())
+                    env=_env(**env))
     assert b.proc.returncode == 0 and not b.timed_out, (b.proc.stdout[-2000:], b.proc.stderr[-3000:])
     return json.loads(b.proc.stdout.decode().strip().splitlines()[-1]), b
 
@@ -288,9 +300,116 @@ def test_a_stopped_rank_is_stuck_not_dead_and_the_command_ends_soon_after():
     assert [f["id"] for f in fails] == ["comm.rank-stuck"]
     f = fails[0]
     pid = report["ranks"]["1"]
-    assert f["data"] == {"rank": 1, "stage": "bench", "detail": "all_reduce 8M", "process": "stopped", "pid": pid}
+    # TracerPid read at the verdict, while the process still existed: 0, no debugger held it
+    assert f["data"] == {"rank": 1, "stage": "bench", "detail": "all_reduce 8M", "process": "stopped", "pid": pid,
+                         "tracer_pid": 0, "tracer": None, "ended_by_launcher": True}
     assert f["title"].endswith("is frozen (stopped) in bench all_reduce 8M")
-    assert any(f"py-spy dump --pid {pid}" in fx for fx in f["fix"]) and any(f"kill -CONT {pid}" in fx
-                                                                            for fx in f["fix"])
+    # --local ends the stopped rank after the verdict: no command is aimed at its pid, and the pid is gone
+    assert report["after"]["1"] is None, report["after"]
+    assert any(f"process {pid} is gone by the time you read this" in e for e in f["evidence"]), f["evidence"]
+    assert not any(str(pid) in fx for fx in f["fix"]), f["fix"]
+    assert any("SIGSTOP" in fx for fx in f["fix"]) and any("before the verdict" in fx for fx in f["fix"])
     assert out["ranks"][1]["detail"] == "is frozen (stopped) in bench all_reduce 8M"
+    assert out["ranks"][0] == {**out["ranks"][0], "status": "ok",
+                               "detail": "cut short in bench by another rank: rank 1 (host "
+                                         f"{out['ranks'][1]['host']}, local rank 1) is frozen"}
     assert b.leftovers == [], "the stopped rank outlived its launcher"
+
+
+def test_a_rank_stopped_before_it_joins_is_stuck_not_missing():
+    """The launcher started it and posted its pid: the verdict sees it stopped (state T) while importing torch."""
+    timeout = 5
+    report, b = drive("stop-rank-1-early", "--local", "2", "--json", "--timeout", str(timeout))
+    assert report["rc"] == 1, report["stderr"][-3000:]
+    out = the_json(report["stdout"])
+    assert out["ranks"][1]["identity"] is None  # it was stopped before it could join
+    fails = [f for f in out["findings"] if f["severity"] == "fail"]
+    assert [f["id"] for f in fails] == ["comm.rank-stuck"], out["findings"]
+    f, pid = fails[0], report["ranks"]["1"]
+    assert f["title"] == "rank 1 is frozen (stopped) before joining"
+    assert f["data"] == {"rank": 1, "stage": None, "detail": None, "process": "stopped", "pid": pid,
+                         "tracer_pid": 0, "tracer": None, "ended_by_launcher": True}
+    assert not any("nc -zv" in fx or "launcher started" in fx for fx in f["fix"])
+    assert not any(str(pid) in fx for fx in f["fix"])
+    assert [(r["status"], r["detail"]) for r in out["ranks"]] == [
+        ("ok", "cut short in join by another rank: rank 1 is frozen"),
+        ("broken", "is frozen (stopped) before joining")]
+    assert report["after"]["1"] is None and b.leftovers == []
+
+
+@pytest.mark.parametrize("action, signame, code", [("sigterm", "SIGTERM", 143), ("sighup", "SIGHUP", 129)])
+def test_a_signal_to_the_launcher_is_stopped_from_outside_not_a_failure(action, signame, code):
+    report, b = drive(action, "--local", "2", "--json", "--timeout", "30", *BENCH_FOREVER)
+    assert report["rc"] == code, report["stderr"][-3000:]
+    out = the_json(report["stdout"])
+    assert [(f["id"], f["severity"]) for f in out["findings"]] == [("comm.terminated", "skip")]
+    f = out["findings"][0]
+    assert f["title"].startswith(f"stopped from outside ({signame} to torchdoctor comm: ")
+    assert f["title"].endswith("during bench all_reduce 8M: the stages after it were not checked")
+    assert f["data"] == {"ranks": [0, 1], "signal": signame}
+    text = report["stdout"]
+    assert "sacct" not in text and "SLURM" not in text and "first process that failed" not in text
+    assert [(r["status"], r["detail"]) for r in out["ranks"]] == [
+        ("interrupted", f"stopped from outside ({signame}) in bench all_reduce 8M")] * 2
+    assert "Traceback" not in report["stderr"]
+    assert b.leftovers == []
+
+
+def test_sigterm_inside_a_slurm_job_names_its_time_limit_and_scancel():
+    report, b = drive("sigterm", "--local", "2", "--timeout", "30", *BENCH_FOREVER, SLURM_JOB_ID="4321")
+    assert report["rc"] == 143, report["stderr"][-3000:]
+    text = report["stdout"]
+    assert "[SKIP] stopped from outside (SIGTERM to torchdoctor comm: " in text
+    assert "sacct -j 4321" in text and "BROKEN" not in text
+    assert text.count("INTERRUPTED (stopped from outside (SIGTERM) in bench all_reduce 8M)") == 2
+    assert b.leftovers == []
+
+
+def test_sigterm_while_the_ranks_start_blames_none_of_them():
+    report, b = drive("sigterm-early", "--local", "2", "--json", "--timeout", "30")
+    assert report["rc"] == 143, report["stderr"][-3000:]
+    out = the_json(report["stdout"])
+    assert [(f["id"], f["severity"]) for f in out["findings"]] == [("comm.terminated", "skip")]
+    assert out["findings"][0]["title"].endswith("before any rank joined: nothing was checked")
+    assert [(r["status"], r["detail"]) for r in out["ranks"]] == [
+        ("interrupted", "stopped from outside (SIGTERM) before joining")] * 2
+    assert "Traceback" not in report["stderr"] and "rendezvous store" not in report["stderr"], report["stderr"]
+    assert b.leftovers == []
+
+
+def test_a_sigterm_sent_to_one_rank_itself_is_named_as_such():
+    timeout = 5
+    report, b = drive("term-rank-1", "--local", "2", "--json", "--timeout", str(timeout), *BENCH_FOREVER)
+    assert report["rc"] == 1, report["stderr"][-3000:]
+    out = the_json(report["stdout"])
+    fails = [f for f in out["findings"] if f["severity"] == "fail"]
+    assert [(f["id"], f["data"]) for f in fails] == [("comm.terminated", {"ranks": [1]})]
+    assert fails[0]["fix"][0].startswith("a SIGTERM reached rank 1 directly, not through torchdoctor comm --local")
+    assert "sacct" not in report["stdout"]
+    assert out["ranks"][0]["status"] == "ok" and out["ranks"][1]["status"] == "broken"
+    assert b.leftovers == []
+
+
+@pytest.mark.parametrize("args", [
+    ["--local", "1_0"], ["--local", "+2"], ["--local", " 2"], ["--local", "٢"], ["--local", "2.0"], ["--local", "two"],
+    ["--local", "2", "--bench", "--iters", "1_0"], ["--local", "2", "--bench", "--warmup", "+1"],
+])
+def test_a_count_in_any_other_spelling_than_plain_digits_is_refused_in_one_line(args):
+    # bounded: `--local 1_0` used to start 10 ranks
+    b = run_bounded([*COMM, *args], mem_bytes=512 * MIB, max_procs=8, timeout=120, env=_env())
+    assert b.proc.returncode == 2 and b.proc.stdout == b"", b.proc.stderr[-2000:]
+    err = b.proc.stderr.decode()
+    flag = args[-2]
+    assert err == f"torchdoctor comm: {flag} takes a count in plain digits (0-9), got {args[-1]!r}\n"
+    assert not b.leftovers and not b.timed_out
+
+
+@pytest.mark.parametrize("value", ["1_0", "1e1", "+5", "nan"])
+def test_a_timeout_in_any_other_spelling_than_plain_digits_is_refused_in_one_line(value):
+    b = run_bounded([*COMM, "--local", "2", "--timeout", value], mem_bytes=512 * MIB, max_procs=8, timeout=120,
+                    env=_env())
+    assert b.proc.returncode == 2 and b.proc.stdout == b"", b.proc.stderr[-2000:]
+    err = b.proc.stderr.decode()
+    assert err == ("torchdoctor comm: --timeout must be a number of seconds, at least 1 (plain digits, such as 60 "
+                   f"or 2.5), got {value!r}\n")
+    assert not b.leftovers and not b.timed_out

@@ -424,3 +424,42 @@ RankSession(Launch(0, 1, 0, "127.0.0.1", free_port(), "env"),
     assert {b["op"] for b in out["bench"]} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"}
     note = [f for f in out["findings"] if f["id"] == "comm.bench-one-rank"]
     assert len(note) == 1 and note[0]["severity"] == "info"
+
+
+# A store that accepts the connection and never answers: the rank is inside its first store call, before it has a
+# side channel, when the signal comes.
+_SILENT_STORE = r"""
+import json, os, signal, socket, subprocess, sys
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen(8)
+env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+       "MASTER_PORT": str(srv.getsockname()[1])}
+p = subprocess.Popen([sys.executable, "-m", "torchdoctor", "comm", "--json", "--timeout", "60"], env=env,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+srv.settimeout(120)
+conn, _ = srv.accept()  # the rank is connecting: torch is imported, the store has not answered
+p.send_signal(getattr(signal, sys.argv[1]))
+out, err = p.communicate(timeout=120)
+print(json.dumps({"rc": p.returncode, "stdout": out, "stderr": err}))
+"""
+
+
+@pytest.mark.parametrize("sig, code, words", [
+    ("SIGTERM", 1, "stopped by SIGTERM (launchers stop every rank when one fails)"),
+    ("SIGINT", 130, "interrupted by the user (SIGINT, Ctrl-C)"),
+])
+def test_a_rank_stopped_before_it_reaches_the_store_says_so_and_is_not_unreachable(sig, code, words):
+    """Every thread of a rank blocks SIGTERM / SIGINT from before torch's import (torch starts threads of its own):
+    the signal is reported, not a silent death by SIGTERM nor, 60 s later, an unreachable store."""
+    from bounded import run_bounded
+
+    b = run_bounded([sys.executable, "-c", _SILENT_STORE, sig], mem_bytes=3 << 30, max_procs=64, timeout=300,
+                    env=_env())
+    assert b.proc.returncode == 0 and not b.timed_out, b.proc.stderr[-2000:]
+    report = json.loads(b.proc.stdout.decode().strip().splitlines()[-1])
+    assert report["rc"] == code, report
+    assert report["stdout"] == "" and "store-unreachable" not in report["stderr"]
+    assert report["stderr"] == (f"[rank 1] torchdoctor comm: {words}, before this rank reached the rendezvous store: "
+                                "nothing was checked\n")
+    assert not b.leftovers

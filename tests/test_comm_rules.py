@@ -126,7 +126,7 @@ def test_dead_rank():
     assert rows[3]["detail"] == "died during bench all_reduce 16M"
     for r in (0, 1, 2):
         assert rows[r]["status"] == "ok"
-        assert rows[r]["detail"] == "stopped in bench: rank 3 (host b, local rank 1) died"
+        assert rows[r]["detail"] == "cut short in bench by another rank: rank 3 (host b, local rank 1) died"
 
 
 def test_dead_rank_before_any_stage():
@@ -318,7 +318,7 @@ def test_store_host_alive_in_snapshot_is_blamed_once():
             1: rec(ident(1), "all_reduce", broken("all_reduce"), alive=True)}
     rows, findings = judge(snap, "nccl", TIMEOUT, store_lost="Broken pipe", store_host_rank=0)
     assert [f.id for f in findings] == ["comm.rank-died"]
-    assert rows[1]["detail"] == "stopped in all_reduce: rank 0 (host a, local rank 0) died"
+    assert rows[1]["detail"] == "cut short in all_reduce by another rank: rank 0 (host a, local rank 0) died"
 
 
 def test_usage_error_is_one_finding():
@@ -526,11 +526,12 @@ def test_a_stopped_rank_says_it_is_alive_and_where_to_look():
             1: {**rec(ident(1, pid=4242), ("bench", "all_reduce 8M"), None, alive=False), "process": "stopped"}}
     rows, findings = judge(snap, "gloo", TIMEOUT)
     f = only(findings, "comm.rank-stuck")
-    assert f.data == {"rank": 1, "stage": "bench", "detail": "all_reduce 8M", "process": "stopped", "pid": 4242}
+    assert f.data == {"rank": 1, "stage": "bench", "detail": "all_reduce 8M", "process": "stopped", "pid": 4242,
+                      "tracer_pid": None, "tracer": None, "ended_by_launcher": False}
     assert any("state T in /proc/4242/stat" in e for e in f.evidence)
     assert any("TracerPid" in fx for fx in f.fix)
     assert "comm.rank-died" not in by_id(findings)
-    assert rows[0]["detail"] == "stopped in bench: rank 1 (host a, local rank 1) is frozen"
+    assert rows[0]["detail"] == "cut short in bench by another rank: rank 1 (host a, local rank 1) is frozen"
 
 
 def test_a_frozen_store_host_is_stuck_and_says_the_store_stopped_answering():
@@ -634,7 +635,7 @@ def test_a_rank_killed_before_joining_is_dead_not_missing():
     assert rows[1] == {"rank": 1, "host": None, "local_rank": None, "device": None, "status": "broken",
                        "stage": None, "detail": "was killed by SIGKILL before joining"}
     assert rows[0]["status"] == rows[2]["status"] == "ok"
-    assert rows[0]["detail"] == "stopped in join: rank 1 was killed by SIGKILL"
+    assert rows[0]["detail"] == "cut short in join by another rank: rank 1 was killed by SIGKILL"
     # the same rank without its launcher's word: missing (what torchrun or srun launches get)
     snap[1] = rec(None)
     _, findings = judge(snap, "gloo", TIMEOUT)
@@ -675,3 +676,191 @@ def test_an_exit_after_a_final_status_is_not_a_death():
                                                                     "exit": exited(0)}}
     rows, findings = judge(snap, "gloo", TIMEOUT)
     assert findings == [] and [r["status"] for r in rows] == ["ok", "ok"]
+
+
+# -- ranks that never joined, as the --local launcher saw them (pid records) -----------------------------------
+
+def started(pid=4242, host="a"):
+    """What --local's launcher posts when it starts a rank: the verdict can look at its process before it joins."""
+    return {"pid": pid, "host": host}
+
+
+def join_timeout(missing="1"):
+    return broken("join", error=f"ranks {missing} did not join within 30 s of the last rank that did")
+
+
+def not_joined(state, tracer_pid=0, tracer=None, **extra):
+    """A rank with no identity whose process this host looked at (what session.verdict adds to the snapshot)."""
+    return {**rec(None), "started": started(), "process": state, "tracer_pid": tracer_pid, "tracer": tracer,
+            **extra}
+
+
+def test_a_rank_stopped_before_joining_is_stuck_not_missing():
+    snap = {0: rec(ident(0), "join", join_timeout(), alive=True), 1: not_joined("stopped"),
+            2: rec(ident(2), "join", join_timeout(), alive=True)}
+    rows, findings = judge(snap, "gloo", TIMEOUT, local=True)
+    assert [f.id for f in findings] == ["comm.rank-stuck"]
+    f = findings[0]
+    assert f.title == "rank 1 is frozen (stopped) before joining"
+    assert f.data == {"rank": 1, "stage": None, "detail": None, "process": "stopped", "pid": 4242, "tracer_pid": 0,
+                      "tracer": None, "ended_by_launcher": True}
+    assert f.evidence[0] == "its launcher started it as process 4242; it never reached the rendezvous store"
+    assert "state T in /proc/4242/stat" in f.evidence[1] and "TracerPid 0" in f.evidence[1]
+    # not the advice for a rank nobody started: the launcher started it, and it is alive
+    assert not any("nc -zv" in fx or "--nproc_per_node" in fx for fx in f.fix)
+    assert rows[1] == {"rank": 1, "host": None, "local_rank": None, "device": None, "status": "broken",
+                       "stage": None, "detail": "is frozen (stopped) before joining"}
+    assert [rows[r]["detail"] for r in (0, 2)] == ["cut short in join by another rank: rank 1 is frozen"] * 2
+    # under torchrun or srun nobody posts the pid: the same rank is missing, as before
+    snap[1] = rec(None)
+    assert [f.id for f in judge(snap, "gloo", TIMEOUT)[1]] == ["comm.rank-missing"]
+
+
+def test_a_rank_still_running_its_start_when_the_others_gave_up_is_stuck_starting():
+    snap = {0: rec(ident(0), "join", join_timeout(), alive=True), 1: not_joined("running")}
+    rows, findings = judge(snap, "gloo", TIMEOUT, local=True)
+    f = only(findings, "comm.rank-stuck")
+    assert [g.id for g in findings if g.severity == "fail"] == ["comm.rank-stuck"]
+    assert f.title == "rank 1 is stuck starting (alive and running, it never joined)"
+    assert "the others waited 30 s after the last rank that joined" in f.evidence[0]
+    assert "alive and running: still in its start" in f.evidence[1]
+    assert rows[1]["status"] == "broken" and rows[1]["detail"] == f.title.removeprefix("rank 1 ")
+    assert rows[0]["detail"] == "cut short in join by another rank: rank 1 is stuck starting"
+
+
+def test_a_rank_still_starting_when_another_fault_ended_the_check_is_not_blamed():
+    """Rank 2 died at once; rank 1 was still importing torch: the verdict came before it could join."""
+    snap = {0: rec(ident(0), "join", peer_died(2, "join"), alive=True), 1: not_joined("running"),
+            2: {**rec(None), "exit": exited(-9), "started": started(5000)}}
+    rows, findings = judge(snap, "gloo", TIMEOUT, local=True)
+    assert [(f.id, f.data["rank"]) for f in findings] == [("comm.rank-died", 2)]
+    assert rows[1]["status"] == "missing" and rows[1]["detail"] == ("still starting when the check ended (its "
+                                                                    "process runs)")
+
+
+def test_a_rank_whose_process_ended_before_joining_without_a_record_died():
+    snap = {0: rec(ident(0), "join", join_timeout(), alive=True), 1: not_joined("gone", tracer_pid=None)}
+    rows, findings = judge(snap, "gloo", TIMEOUT, local=True)
+    f = only(findings, "comm.rank-died")
+    assert f.title == "rank 1 died before joining" and rows[1]["detail"] == "died before joining"
+    assert f.evidence[0].startswith("its launcher started it as process 4242, which has ended")
+
+
+# -- a stuck rank under --local: the launcher ends it after the verdict ------------------------------------------
+
+@pytest.mark.parametrize("tracer_pid, tracer, evidence, cause", [
+    (0, None, "TracerPid 0 in /proc/4242/status: no debugger held it",
+     "no debugger held it: find what sent it SIGSTOP"),
+    (777, "gdb", "TracerPid 777 (gdb) in /proc/4242/status: a debugger held it", "a debugger (gdb 777) held it"),
+    (None, None, "SIGSTOP, Ctrl-Z, a debugger", "it could not be read here"),
+])
+def test_a_stopped_rank_under_local_is_described_as_it_was_not_as_a_live_pid(tracer_pid, tracer, evidence, cause):
+    frozen = {**rec(ident(1, pid=4242), ("bench", "all_reduce 8M"), None, alive=False), "process": "stopped",
+              "tracer_pid": tracer_pid, "tracer": tracer}
+    snap = {0: rec(ident(0), ("bench", "all_reduce 8M"), broken("bench"), alive=True), 1: frozen}
+    _, findings = judge(snap, "gloo", 5, local=True)
+    f = only(findings, "comm.rank-stuck")
+    assert f.data["tracer_pid"] == tracer_pid and f.data["tracer"] == tracer and f.data["ended_by_launcher"] is True
+    assert any(evidence in e and "process 4242 on host a was, when this verdict was made, alive but stopped" in e
+               for e in f.evidence), f.evidence
+    assert any("ends it (SIGKILL) right after this verdict" in e and "process 4242 is gone by the time you read this"
+               in e for e in f.evidence), f.evidence
+    # pid 4242 is gone when the user reads this: no command aimed at it
+    assert not any("4242" in fx for fx in f.fix), f.fix
+    assert cause in f.fix[0]
+    assert "before the verdict" in f.fix[1] and "--timeout (5 s)" in f.fix[1] and "torchrun" in f.fix[1]
+    assert "py-spy dump --pid <pid>" in f.fix[1] and "TracerPid" in f.fix[1]
+    # the same rank under torchrun or srun still exists: the live-process advice
+    _, findings = judge(snap, "gloo", 5)
+    f = only(findings, "comm.rank-stuck")
+    assert any("py-spy dump --pid 4242" in fx for fx in f.fix) and any("kill -CONT 4242" in fx for fx in f.fix)
+    assert f.data["ended_by_launcher"] is False and not any("gone by the time" in e for e in f.evidence)
+    assert any("process 4242 on host a is alive but stopped" in e for e in f.evidence)
+
+
+def test_a_hung_running_rank_under_local_is_ended_too_and_the_fix_says_how_to_look_next_time():
+    hung = {**rec(ident(1, pid=4242), ("all_reduce", ""), None, alive=False), "process": "running",
+            "tracer_pid": 0, "tracer": None}
+    snap = {0: rec(ident(0), "all_reduce", broken("all_reduce"), alive=True), 1: hung}
+    f = only(judge(snap, "gloo", TIMEOUT, local=True)[1], "comm.rank-stuck")
+    assert any("a few seconds after this verdict" in e and "process 4242 is gone" in e for e in f.evidence)
+    assert not any("4242" in fx for fx in f.fix) and "py-spy dump --native --pid <pid>" in f.fix[0]
+
+
+# -- a signal --local's launcher received from outside -------------------------------------------------------
+
+def terminated_at(stage, detail=""):
+    return broken(stage, kind="terminated", detail=detail,
+                  error="stopped from outside (SIGTERM to torchdoctor comm --local, passed on to every rank)")
+
+
+def test_sigterm_to_the_local_launcher_is_stopped_from_outside_not_a_failure():
+    snap = {r: rec(ident(r), ("bench", "all_reduce 8M"), terminated_at("bench", "all_reduce 8M"), alive=True)
+            for r in range(3)}
+    rows, findings = judge(snap, "gloo", 10, stopped_by="SIGTERM", local=True)
+    assert [f.id for f in findings] == ["comm.terminated"]
+    f = findings[0]
+    assert f.severity == "skip" and worst(findings) != "fail"
+    assert f.title == ("stopped from outside (SIGTERM to torchdoctor comm: `timeout`, `kill`, a scheduler) during "
+                       "bench all_reduce 8M: the stages after it were not checked")
+    assert f.data == {"ranks": [0, 1, 2], "signal": "SIGTERM"}
+    assert "no rank died, hung or failed on its own before it" in f.evidence
+    text = " ".join(f.fix + f.evidence)
+    assert "sacct" not in text and "SLURM" not in text and "first process that failed" not in text
+    assert "launchers stop every rank" not in text
+    assert [(r["status"], r["detail"]) for r in rows] == [
+        ("interrupted", "stopped from outside (SIGTERM) in bench all_reduce 8M")] * 3
+    # inside a SLURM job its time limit or scancel is a likely sender: named with the job's id
+    _, findings = judge(snap, "gloo", 10, stopped_by="SIGTERM", local=True, slurm_job="4321")
+    assert any("sacct -j 4321" in fx for fx in findings[0].fix)
+    # under torchrun or srun (no launcher record) the SIGTERM came from the agent: today's wording
+    rows, findings = judge(snap, "gloo", 10)
+    assert findings[0].severity == "fail" and "sacct" in findings[0].fix[0]
+
+
+def test_sigterm_while_the_ranks_start_blames_none_of_them():
+    """Ranks still importing torch are killed by the launcher on the signal; their exit records say so."""
+    snap = {0: {**rec(None), "exit": {**exited(-9), "on_signal": "SIGTERM"}, "started": started(5000)},
+            1: {**rec(None), "exit": {**exited(-15, pid=5001), "on_signal": "SIGTERM"}}, 2: rec(None)}
+    rows, findings = judge(snap, "gloo", TIMEOUT, stopped_by="SIGTERM", local=True)
+    assert [(f.id, f.severity) for f in findings] == [("comm.terminated", "skip")]
+    assert findings[0].title.endswith("before any rank joined: nothing was checked")
+    assert [(r["status"], r["detail"]) for r in rows] == [
+        ("interrupted", "stopped from outside (SIGTERM) before joining")] * 3
+
+
+def test_a_rank_that_saw_a_peer_end_on_the_signal_ended_on_it_too():
+    snap = {0: rec(ident(0), "join", peer_died(1, "join"), alive=True),
+            1: {**rec(None), "exit": {**exited(-9), "on_signal": "SIGTERM"}}}
+    rows, findings = judge(snap, "gloo", TIMEOUT, stopped_by="SIGTERM", local=True)
+    assert [f.id for f in findings] == ["comm.terminated"] and findings[0].severity == "skip"
+    assert [r["status"] for r in rows] == ["interrupted", "interrupted"]
+
+
+def test_a_death_before_the_sigterm_is_still_the_fault():
+    snap = {0: rec(ident(0), "all_reduce", terminated_at("all_reduce"), alive=True),
+            1: {**rec(ident(1), "all_reduce", None), "exit": exited(-9)}}
+    rows, findings = judge(snap, "gloo", TIMEOUT, stopped_by="SIGTERM", local=True)
+    assert [(f.id, f.severity) for f in findings] == [("comm.rank-died", "fail"), ("comm.terminated", "skip")]
+    assert "no rank died, hung or failed on its own before it" not in findings[1].evidence
+    assert rows[1]["detail"] == "was killed by SIGKILL during all_reduce" and rows[0]["status"] == "interrupted"
+
+
+def test_sighup_to_the_local_launcher_names_the_terminal():
+    snap = {r: rec(ident(r), "ring", terminated_at("ring"), alive=True) for r in range(2)}
+    _, findings = judge(snap, "gloo", TIMEOUT, stopped_by="SIGHUP", local=True)
+    f = only(findings, "comm.terminated")
+    assert f.severity == "skip" and "SIGHUP to torchdoctor comm: its terminal closed" in f.title
+    assert any("nohup" in fx for fx in f.fix)
+
+
+def test_a_sigterm_sent_to_a_local_rank_itself_is_not_a_scheduler():
+    """Under --local the launcher passed nothing on: the signal reached that rank's process directly."""
+    snap = {0: rec(ident(0), ("bench", "all_reduce 8M"), broken("bench", detail="all_reduce 8M"), alive=True),
+            1: rec(ident(1), ("bench", "all_reduce 8M"), broken("bench", kind="terminated", detail="all_reduce 8M"))}
+    rows, findings = judge(snap, "gloo", TIMEOUT, local=True)
+    f = only(findings, "comm.terminated")
+    assert f.severity == "fail" and f.data == {"ranks": [1]}
+    assert f.fix[0].startswith("a SIGTERM reached rank 1 directly, not through torchdoctor comm --local")
+    assert not any("sacct" in fx or "scheduler" in fx for fx in f.fix)
+    assert rows[0] == {**rows[0], "status": "ok", "detail": "cut short in bench by another rank"}

@@ -579,3 +579,68 @@ def test_each_rank_that_joins_renews_the_join_deadline():
     ch.put("id/1", None)  # absent again: a deadline already passed, and nothing renews it
     assert ch.wait_for("id", time.monotonic() - 1, ranks=[0, 1, 2]) == {1}
     ch.close()
+
+
+# -- what this host sees of a rank's process (real processes) -------------------------------------------------
+
+def test_process_status_reads_the_state_and_the_tracer_of_a_real_process():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from torchdoctor.comm.procs import process_status
+
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert process_status(p.pid) == {"process": "running", "tracer_pid": 0, "tracer": None}
+        os.kill(p.pid, signal.SIGSTOP)
+        for _ in range(200):  # the stop is asynchronous: wait for the state to show it (bounded, 10 s)
+            if process_status(p.pid)["process"] == "stopped":
+                break
+            time.sleep(0.05)
+        assert process_status(p.pid) == {"process": "stopped", "tracer_pid": 0, "tracer": None}
+    finally:
+        p.kill()
+        p.wait()
+    assert process_status(p.pid) == {"process": "gone", "tracer_pid": None, "tracer": None}
+    assert process_status(None) == {"process": None, "tracer_pid": None, "tracer": None}
+
+
+def test_the_launcher_tells_a_complete_verdict_from_a_cut_one():
+    """A signal that came after every rank passed changed nothing: --local exits with the verdict's code."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from torchdoctor.comm.launch import free_port
+    from torchdoctor.comm.local import _all_passed
+
+    store = TCPStore("127.0.0.1", free_port(), None, True, timeout=datetime.timedelta(seconds=10),
+                     wait_for_workers=False)
+    ok = json.dumps({"status": "ok", "stage": "done"})
+    store.set("final/0", ok)
+    assert not _all_passed(store, 2)  # rank 1 has not finished
+    store.set("final/1", json.dumps({"status": "broken", "stage": "bench", "kind": "terminated"}))
+    assert not _all_passed(store, 2)
+    store.set("final/1", ok)
+    assert _all_passed(store, 2)
+
+
+# -- counts on the command line are plain digits ---------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [("10", 10), ("0", 0), ("007", 7)])
+def test_a_count_in_plain_digits_is_read(text, expected):
+    from torchdoctor.comm.run import count
+
+    assert count("--local", text) == expected
+
+
+@pytest.mark.parametrize("text", ["1_0", "+2", "-2", " 2", "2 ", "2.0", "0x2", "1e1", "٢", "２", "", "two"])
+def test_any_other_spelling_of_a_count_is_refused_in_one_line(text):
+    from torchdoctor.comm.run import count
+
+    msg = count("--local", text)
+    assert msg == f"--local takes a count in plain digits (0-9), got {text!r}"
+    assert "\n" not in msg

@@ -8,10 +8,14 @@ As a launcher it sees what the ranks cannot: how a rank's process ended. It post
 the side channel the moment it reaps the process, so the others name a rank killed before it joined (or hung
 in a collective with a dead peer) at once, instead of waiting out the timeout and calling it "never joined".
 
+It also posts the pid of each rank it starts: a rank that never joined has no identity of its own, and the verdict
+still looks at its process (stopped, or running and stuck in its start) instead of calling it "never joined".
+
 It starts the ranks in batches (:func:`capacity.batch_size`): each imports torch, seconds of CPU, and N at once
 would leave the machine thrashing. The ranks live in a process group of their own (:class:`procs.RankGroup`): a
-Ctrl-C reaches this process alone, which tells the ranks (SIGINT: "interrupted by the user"); on its way out it
-ends the group, and a rank dies with its launcher even when the launcher is SIGKILLed.
+Ctrl-C reaches this process alone, which tells the ranks (SIGINT: "interrupted by the user"); so does a SIGTERM
+or SIGHUP sent to it (``timeout``, ``kill``, a closed terminal: "stopped from outside", exit 128 + the signal). On its
+way out it ends the group, and a rank dies with its launcher even when the launcher is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from collections.abc import Callable
 from .launch import Launch, free_port
 from .procs import RankGroup
 from .session import EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, HARD_EXIT_S, Options, RankSession
-from .sidechannel import SideChannel, exit_record, post_exit
+from .sidechannel import SideChannel, exit_record, post_exit, post_pid
 
 GRACE_S = 8.0 + HARD_EXIT_S  # a rank's report (settle) and its hard exit, beyond the stage deadline
 REPORT_S = 8.0 + 5.0  # after a signal was passed on: a rank's report (settle) and its exit
 LEAVE_S = 5.0  # after the verdict is out: the other ranks' own exits; then they are killed
+# signals from outside that stop the run with a report (the ranks get SIGINT for a Ctrl-C, SIGTERM for the others)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def child_argv(opts: Options) -> list[str]:
@@ -70,25 +76,29 @@ def run_local(n: int, opts: Options, batch: int) -> int:
     group = RankGroup()
 
     def start(rank: int) -> None:
-        group.start(rank, cmd, {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+        p = group.start(rank, cmd, {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+        with contextlib.suppress(Exception):  # the verdict's help, not the run's condition
+            post_pid(channel, rank, p.pid)
 
-    def ended(rank: int, returncode: int, pid: int, interrupted: bool) -> None:
-        post_exit(channel, rank, {**exit_record(returncode, pid), **({"interrupted": True} if interrupted else {})})
+    def ended(rank: int, returncode: int, pid: int, on_signal: str | None) -> None:
+        post_exit(channel, rank, {**exit_record(returncode, pid), **({"on_signal": on_signal} if on_signal else {})})
 
     supervisor = _Supervisor(n, batch, opts.timeout, group, channel, start, ended)
     try:
         stopped_by = supervisor.run()
         if supervisor.signals > 1:
-            print("torchdoctor comm --local: interrupted twice: the ranks were killed without a report",
-                  file=sys.stderr, flush=True)
+            twice = ("interrupted twice" if stopped_by == signal.SIGINT else
+                     f"stopped from outside twice ({signal.Signals(stopped_by).name})")
+            print(f"torchdoctor comm --local: {twice}: the ranks were killed without a report", file=sys.stderr,
+                  flush=True)
         elif not channel.check(["reporter"]):
             _report_for_dead_ranks(n, port, opts)
     finally:
         group.end()
-    if stopped_by == signal.SIGINT:
-        return EXIT_INTERRUPTED
-    if stopped_by is not None:
-        return 128 + stopped_by
+    if stopped_by is not None:  # a signal after every rank passed changed nothing
+        if _all_passed(channel, n):
+            return EXIT_OK
+        return EXIT_INTERRUPTED if stopped_by == signal.SIGINT else 128 + stopped_by
     reporter = group.procs.get(supervisor.reporter) if supervisor.reporter is not None else None
     if reporter is not None and reporter.returncode is not None and reporter.returncode >= 0:
         return reporter.returncode  # the verdict's own code: a rank killed after it does not change it
@@ -96,6 +106,17 @@ def run_local(n: int, opts: Options, batch: int) -> int:
     if len(codes) == n and all(c == EXIT_OK for c in codes):
         return EXIT_OK
     return EXIT_USAGE if codes and all(c == EXIT_USAGE for c in codes) else EXIT_PROBLEMS
+
+
+def _all_passed(channel, n: int) -> bool:
+    """Every rank posted its final status, and every one is "ok": the verdict was complete."""
+    try:
+        for r in range(n):
+            if not channel.check([f"final/{r}"]) or json.loads(channel.get(f"final/{r}"))["status"] != "ok":
+                return False
+    except Exception:
+        return False
+    return True
 
 
 class _JoinProgress:
@@ -133,12 +154,14 @@ class _Supervisor:
       other signal reaches them -- and the rest get :data:`LEAVE_S` to exit.
     - Without a verdict: once a rank ended, the others get their own deadline plus the time to report; after a
       signal, the time to report it. Then SIGKILL.
-    - SIGINT (Ctrl-C) and SIGTERM to this process are passed on to the ranks, which report them; a second one
-      kills them. Ctrl-Z (SIGTSTP) stops the ranks with this process, SIGCONT resumes them.
+    - SIGINT (Ctrl-C), SIGTERM and SIGHUP to this process are recorded (``stopped_by``) and passed on to the ranks
+      (SIGHUP as SIGTERM), which report them; ranks still starting are killed (they have nothing to report, and a
+      signal there would print a traceback); a second signal kills them all. Ctrl-Z (SIGTSTP) stops the ranks with
+      this process, SIGCONT resumes them.
     """
 
     def __init__(self, n: int, batch: int, timeout: float, group: RankGroup, channel,
-                 start: Callable[[int], None], ended: Callable[[int, int, int, bool], None]) -> None:
+                 start: Callable[[int], None], ended: Callable[[int, int, int, str | None], None]) -> None:
         self.n, self.batch, self.timeout = n, batch, timeout
         self.group, self.channel, self._start, self._ended = group, channel, start, ended
         self.progress = _JoinProgress(channel, n)
@@ -146,7 +169,6 @@ class _Supervisor:
         self.stop: int | None = None  # the first signal received
         self.signals = 0
         self._told: set[int] = set()
-        self._killed_starting: set[int] = set()  # ranks still starting on the Ctrl-C: killed, as the user asked
         self._batch: list[int] = []
         self._batch_at = self._stop_at = 0.0
         self.reporter: int | None = None  # the rank that printed the verdict, once it has
@@ -158,15 +180,20 @@ class _Supervisor:
         if self.signals > 1:  # asked twice: stop waiting for reports
             self.group.send(signal.SIGKILL)
             return
-        if signum == signal.SIGINT:
-            with contextlib.suppress(Exception):  # a report for ranks that never joined needs to know why
-                self.channel.set("interrupted", "true")
-            # A rank still importing torch has nothing to report, and a Ctrl-C there prints a traceback (or an
-            # "interrupted" line per rank): it is killed, and its exit record says why.
-            starting = [r for r in self.group.running() if not self._joined(r)]
-            self._killed_starting.update(starting)
-            self.group.kill(starting)
-        self.group.send(signum)  # the ranks tell the two apart: "interrupted by the user" / "stopped from outside"
+        with contextlib.suppress(Exception):  # the verdict says who stopped the run; the ranks word it by it
+            self.channel.set("stopped_by", json.dumps(signal.Signals(signum).name))
+        self._stop_ranks(signum)
+
+    def _stop_ranks(self, signum: int) -> None:
+        """A rank still importing torch has nothing to report, and a signal there prints a traceback (or one line
+        per rank): it is killed, and its exit record says why. The others get the signal and report it."""
+        self.group.kill([r for r in self.group.running() if not self._joined(r)])
+        self.group.send(self._passed_on(signum))  # "interrupted by the user" / "stopped from outside"
+
+    @staticmethod
+    def _passed_on(signum: int) -> int:
+        """What the ranks get for a signal this process received: they report SIGINT and SIGTERM."""
+        return signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM
 
     def _on_suspend(self, _signum, _frame) -> None:
         """Ctrl-Z reaches this process alone (the ranks have their own group): the ranks stop with it, as they did
@@ -179,7 +206,7 @@ class _Supervisor:
 
     def run(self) -> int | None:
         """Returns the signal that stopped the run, or None."""
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        old = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         old.update({signal.SIGTSTP: signal.signal(signal.SIGTSTP, self._on_suspend),
                     signal.SIGCONT: signal.signal(signal.SIGCONT, self._on_resume)})
         try:
@@ -230,8 +257,8 @@ class _Supervisor:
                 break
             self._start(r)
             self.started += 1
-        if self.stop is not None:  # it came while a rank was being started: that one may have missed it
-            self.group.send(self.stop)
+        if self.stop is not None and self.signals == 1:  # it came while a rank was being started: that one missed it
+            self._stop_ranks(self.stop)
         with contextlib.suppress(Exception):  # the verdict tells ranks never started from ranks that never joined
             self.channel.set("launched", json.dumps(self.started))
 
@@ -241,9 +268,10 @@ class _Supervisor:
             if r not in self._told and p.poll() is not None:
                 self._told.add(r)
                 with contextlib.suppress(Exception):  # the report matters more than the record
-                    # a rank that ends after the Ctrl-C ended on it, whatever its code (one still starting when
-                    # the SIGINT came may leave with 1, not 130): no fault of its own
-                    self._ended(r, p.returncode, p.pid, r in self._killed_starting or self.stop == signal.SIGINT)
+                    # a rank that ends after the signal ended on it, whatever its code (one still starting when
+                    # it came may leave with 1, not 130 or -15): no fault of its own
+                    on = signal.Signals(self.stop).name if self.stop is not None else None
+                    self._ended(r, p.returncode, p.pid, on)
 
     def _joined(self, rank: int) -> bool:
         try:

@@ -33,6 +33,34 @@ def process_state(pid: int | None) -> str | None:
     return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(state, "running")
 
 
+def process_status(pid: int | None) -> dict:
+    """What this host sees of a rank's process, at the moment of asking: ``process`` (as :func:`process_state`),
+    ``tracer_pid`` (``TracerPid`` in ``/proc/PID/status``: 0 when no debugger holds it; None when unreadable) and
+    ``tracer`` (that debugger's command name, when there is one and it can be read).
+
+    Read when the verdict is made: under ``--local`` the launcher ends a stuck rank right after it, so what its
+    process was doing can only be recorded then."""
+    state = process_state(pid)
+    out: dict = {"process": state, "tracer_pid": None, "tracer": None}
+    if state not in ("stopped", "running"):
+        return out
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("TracerPid:"):
+                    out["tracer_pid"] = int(line.split()[1])
+                    break
+    except (OSError, ValueError, IndexError):
+        return out
+    if out["tracer_pid"]:
+        try:
+            with open(f"/proc/{out['tracer_pid']}/comm") as f:
+                out["tracer"] = f.read().strip() or None
+        except OSError:
+            pass
+    return out
+
+
 def _prctl():
     """libc's ``prctl``, looked up before any fork (the child only calls it); None off Linux."""
     if not sys.platform.startswith("linux"):

@@ -20,6 +20,11 @@ STAGES = ("connect", "join", "init", "device", "all_reduce", "all_gather", "broa
 # how a rank whose heartbeat stopped is described, by what this host can see of its process
 DEAD_VERBS = {"gone": "died during", "stopped": "is frozen (stopped) in", "running": "stopped responding in"}
 _BLAME_VERBS = {"gone": "died", "stopped": "is frozen", "running": "stopped responding"}  # in the others' rows
+# a rank that never joined, whose process --local's launcher started and this host can see
+NOT_JOINED_WORDS = {"gone": "died before joining", "stopped": "is frozen (stopped) before joining",
+                    "running": "is stuck starting (alive and running, it never joined)"}
+_NOT_JOINED_BLAME = {"gone": "died before joining", "stopped": "is frozen", "running": "is stuck starting"}
+_ALIVE = ("stopped", "running")
 _OOM = ("out of memory", "can't allocate memory", "cannot allocate memory", "outofmemoryerror")
 
 
@@ -63,41 +68,62 @@ def network_fixes(backend: str) -> list[str]:
     ]
 
 
-def _ended_by_user(exit_rec: Mapping[str, Any] | None) -> bool:
-    """A rank's process that ended on the Ctrl-C: killed by SIGINT, Python's exit code for it, or killed by its
-    launcher on the Ctrl-C while it was still starting."""
-    return bool(exit_rec) and (exit_rec.get("signal") == "SIGINT" or exit_rec.get("returncode") == 130
-                               or bool(exit_rec.get("interrupted")))
+def _ended_on(exit_rec: Mapping[str, Any] | None, sig: str | None) -> bool:
+    """A rank's process that ended on the signal that stopped the run: killed by it, Python's exit code for a Ctrl-C,
+    or ended after its launcher received it (a rank still starting is killed then)."""
+    if not exit_rec:
+        return False
+    if exit_rec.get("on_signal") or exit_rec.get("signal") == (sig or "SIGINT"):
+        return True
+    return (sig or "SIGINT") == "SIGINT" and exit_rec.get("returncode") == 130
 
 
 def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
           store_lost: str | None = None, store_host_rank: int | None = None,
-          interrupted: bool = False) -> tuple[list[dict], list[Finding]]:
-    """Rows of the summary table and the findings explaining the run (the fault first). ``interrupted``: the
-    launcher saw a Ctrl-C (a rank's own final status says so too)."""
+          interrupted: bool = False, stopped_by: str | None = None, local: bool = False,
+          slurm_job: str | None = None) -> tuple[list[dict], list[Finding]]:
+    """Rows of the summary table and the findings explaining the run (the fault first).
+
+    ``stopped_by``: the signal ``--local``'s launcher received from outside and passed on to the ranks -- SIGINT (a
+    Ctrl-C; ``interrupted=True`` says the same), SIGTERM or SIGHUP (``timeout``, ``kill``, a closed terminal). The
+    ranks that ended on it are no fault of theirs. ``local``: the launcher is ``--local``'s, which ends a stuck rank
+    after the verdict (its fix cannot send the user to a live pid). ``slurm_job``: SLURM_JOB_ID, when set."""
     n = len(snap)
     ident = {r: rec.get("identity") for r, rec in snap.items()}
     finals = {r: snap[r]["final"] for r in range(n) if snap[r].get("final")}
-    user = sorted(r for r, f in finals.items() if f.get("kind") == "interrupted")
+    halt = stopped_by or ("SIGINT" if interrupted else None)
+    outside = halt if halt and halt != "SIGINT" else None  # SIGTERM / SIGHUP to the launcher: not the user's Ctrl-C
+    user = sorted(r for r, f in finals.items() if f.get("kind") == "interrupted" or
+                  outside and f.get("kind") == "terminated")
     passed = len(finals) == n and all(f["status"] == "ok" for f in finals.values())
-    interrupted = (interrupted or bool(user)) and not passed  # a Ctrl-C after every rank passed changed nothing
+    stopped = (halt is not None or bool(user)) and not passed  # a signal after every rank passed changed nothing
     # --local starts ranks in batches and stops starting them at the first failure: those never started
     unstarted = [r for r in range(n) if not ident[r] and snap[r].get("launched") is False]
-    if interrupted:  # ranks that ended on the Ctrl-C, or were still starting, are not what went wrong
+    if stopped:  # ranks that ended on the signal, or were still starting, are not what went wrong
         user = sorted({*user, *(r for r in range(n) if r not in finals and r not in unstarted and (
-            _ended_by_user(snap[r].get("exit")) or not ident[r] and not snap[r].get("exit")))})
+            _ended_on(snap[r].get("exit"), halt) or not ident[r] and not snap[r].get("exit")))})
+        if not any(snap[r].get("exit") for r in range(n) if r not in finals and r not in user):
+            # a rank that saw a peer end on the signal before the signal reached it ended on it too
+            user = sorted({*user, *(r for r, f in finals.items() if f.get("kind") == "peer-died")})
     exits = {r: snap[r]["exit"] for r in range(n) if snap[r].get("exit") and r not in finals and r not in user}
+    # ranks that never joined whose process this host looked at (--local's launcher posted its pid)
+    seen = {r: snap[r]["process"] for r in range(n) if not ident[r] and snap[r].get("process") and
+            r not in exits and r not in user and r not in unstarted}
+    # a process still running but not joined is stuck in its start only if the others gave up waiting for it
+    gave_up = any(f.get("kind") == "timeout" and f.get("stage") == "join" for f in finals.values())
+    starting = [r for r, state in seen.items() if state == "running" and not gave_up]
     if store_lost and store_host_rank is not None:
         # The store's host is gone and liveness cannot be read: only it is known dead, the rest is unknown.
         missing = []
         dead = [store_host_rank] if store_host_rank not in finals else []
     else:
         # a rank whose launcher saw it end without a final status died, whether it joined or not
-        missing = [r for r in range(n) if not ident[r] and not exits.get(r) and r not in unstarted and r not in user]
+        missing = [r for r in range(n) if not ident[r] and not exits.get(r) and r not in unstarted and r not in user
+                   and r not in seen]
         dead = [r for r in range(n) if r not in finals and r not in user and
-                (exits.get(r) or ident[r] and not snap[r].get("alive"))]
+                (exits.get(r) or ident[r] and not snap[r].get("alive") or r in seen and r not in starting)]
     running = [r for r in range(n) if r not in finals and r not in missing and r not in dead and r not in user
-               and r not in unstarted]
+               and r not in unstarted and r not in starting]
     broken = {r: f for r, f in finals.items() if f["status"] != "ok" and r not in user}
     # a SIGTERM or a Ctrl-C says nothing about how far the others got: it does not make the ranks behind it "stuck"
     failed_at = max((stage_index(f["stage"]) for f in broken.values() if f.get("kind") != "terminated"), default=-1)
@@ -134,12 +160,13 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
             data={"rank": r},
         ))
     for r in dead:
-        if not exits.get(r) and snap[r].get("process") in ("stopped", "running"):  # alive, but not answering
-            findings.append(_frozen_finding(r, snap[r], store_lost if r == store_host_rank else None))
+        if not exits.get(r) and snap[r].get("process") in _ALIVE:  # alive, but not answering
+            findings.append(_frozen_finding(r, snap[r], store_lost if r == store_host_rank else None, timeout, local))
         else:
             findings.append(_dead_finding(r, snap[r], exits.get(r), store_lost if r == store_host_rank else None))
+        verbs = _BLAME_VERBS if ident[r] else _NOT_JOINED_BLAME
         blame.append(f"{describe(ident[r], r)} " + (exit_words(exits[r]) if r in exits else
-                                                   _BLAME_VERBS.get(snap[r].get("process"), "died")))
+                                                   verbs.get(snap[r].get("process"), "died")))
     for r in stuck:
         stage = snap[r].get("stage")
         blame.append(f"{describe(ident[r], r)} is stuck")
@@ -212,14 +239,19 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
     if not culprits and terminated:
         where = " / ".join(sorted({_where({"name": broken[r]["stage"], "detail": broken[r]["detail"]})
                                    for r in terminated}))
+        if local:  # --local's launcher passed no signal on: one reached these ranks' processes themselves
+            fix = [f"a SIGTERM reached rank{'s' if len(terminated) > 1 else ''} {_ranks(terminated)} directly, not "
+                   "through torchdoctor comm --local: find what sent it (a `kill`, a script ending processes by "
+                   "name, systemd-oomd or earlyoom under memory pressure)"] + _slurm_fix(slurm_job)
+        else:
+            fix = ["a scheduler limit or `scancel` (check `sacct -j $SLURM_JOB_ID`), or a launcher that stopped the "
+                   "job: its own output names the first process that failed",
+                   "rerun with a larger time limit, or without --bench for a quick check"]
         findings.append(Finding(
             "comm.terminated", "fail",
             f"the check was stopped from outside (SIGTERM) on ranks {_ranks(terminated)} during {where}",
             evidence=["no rank died, hung or failed on its own before that: the stages after it were not checked"],
-            fix=["a scheduler limit or `scancel` (check `sacct -j $SLURM_JOB_ID`), or a launcher that stopped the "
-                 "job: its own output names the first process that failed",
-                 "rerun with a larger time limit, or without --bench for a quick check"],
-            data={"ranks": terminated},
+            fix=fix, data={"ranks": terminated},
         ))
         culprits = terminated
     timed_out = {r: f for r, f in broken.items() if f.get("kind") == "timeout"}
@@ -245,9 +277,11 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
         ))
         culprits = sorted(timed_out)
 
-    if interrupted:
-        where = " / ".join(sorted({_where({"name": finals[r]["stage"], "detail": finals[r]["detail"]})
-                                   for r in user if r in finals}, key=lambda w: stage_index(w.split()[0])))
+    where = " / ".join(sorted({_where({"name": finals[r]["stage"], "detail": finals[r]["detail"]})
+                               for r in user if r in finals}, key=lambda w: stage_index(w.split()[0])))
+    if stopped and outside:
+        findings.append(_outside_finding(outside, where, user, bool(culprits), timeout, slurm_job))
+    elif stopped:
         findings.append(Finding(
             "comm.interrupted", "skip",
             f"interrupted by the user (Ctrl-C) during {where}: the stages after it were not checked" if where else
@@ -271,8 +305,11 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
             row.update(status="missing", stage=None, detail="not started")
         elif r in user:
             where = _where({"name": f["stage"], "detail": f["detail"]}) if f else (stage or {}).get("name")
+            how = f"stopped from outside ({outside})" if outside else "interrupted"
             row.update(status="interrupted", stage=f["stage"] if f else (stage or {}).get("name"),
-                       detail=f"interrupted in {where}" if where and ident[r] else "interrupted before joining")
+                       detail=f"{how} in {where}" if where and ident[r] else f"{how} before joining")
+        elif r in starting:
+            row.update(status="missing", stage=None, detail="still starting when the check ended (its process runs)")
         elif r in missing:
             row.update(status="missing", stage="join", detail="never joined")
         elif r in dead:
@@ -287,9 +324,9 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
             row.update(status="ok", stage="done", detail="")
         elif f and r in culprits:
             row.update(status="broken", stage=f["stage"], detail=f["error"].splitlines()[0][:120])
-        elif f:
-            row.update(status="ok", stage=f["stage"],
-                       detail=f"stopped in {f['stage']}: {'; '.join(blame) or 'another rank failed'}")
+        elif f:  # no fault of its own: it waited on the culprit, and the table points there
+            row.update(status="ok", stage=f["stage"], detail=f"cut short in {f['stage']} by another rank"
+                       + (f": {'; '.join(blame)}" if blame else ""))
         else:
             row.update(status="ok", stage=(stage or {}).get("name"), detail=f"still waiting in {_where(stage)}")
         rows.append(row)
@@ -302,6 +339,8 @@ def _dead_where(rec: Mapping[str, Any], exit_rec: Mapping[str, Any] | None, is_s
     verb = f"{exit_words(exit_rec)} during" if exit_rec else DEAD_VERBS.get(rec.get("process"), "died during")
     if exit_rec and not rec.get("identity"):
         return f"{exit_words(exit_rec)} before joining"
+    if not rec.get("identity") and rec.get("process") in NOT_JOINED_WORDS:
+        return NOT_JOINED_WORDS[rec["process"]]
     if is_store and not stage:
         return "died (its last stage was never read)"
     return f"{verb} {_where(stage)}"
@@ -318,13 +357,17 @@ def _dead_finding(r: int, rec: Mapping[str, Any], exit_rec: Mapping[str, Any] | 
     if is_store:
         title = f"{who}, which hosts the rendezvous store, died or became unreachable" + (
             f" during {_where(stage)}" if stage else "")
-    host = (ident or {}).get("host") or (exit_rec or {}).get("host") or "?"
-    pid = (exit_rec or {}).get("pid") or (ident or {}).get("pid")
+    started = rec.get("started") or {}
+    host = (ident or {}).get("host") or (exit_rec or {}).get("host") or started.get("host") or "?"
+    pid = (exit_rec or {}).get("pid") or (ident or {}).get("pid") or started.get("pid")
     if exit_rec:
         evidence = [f"its launcher saw its process {pid} end: {exit_words(exit_rec)} (returncode "
                     f"{exit_rec.get('returncode')}), with no status of its own"]
         evidence.append(f"last stage entered: {_where(stage)}" if ident else
                         "it never reached the rendezvous store: it ended while starting (before joining)")
+    elif not ident and state == "gone":
+        evidence = [f"its launcher started it as process {pid}, which has ended; it never reached the rendezvous "
+                    "store (it ended while starting)"]
     else:
         evidence = [f"its heartbeat stopped and it left no status; last stage entered: "
                     f"{_where(stage) if stage or not is_store else 'never read'}"]
@@ -350,31 +393,116 @@ def _dead_finding(r: int, rec: Mapping[str, Any], exit_rec: Mapping[str, Any] | 
     )
 
 
-def _frozen_finding(r: int, rec: Mapping[str, Any], store_lost: str | None) -> Finding:
-    """A silent rank whose process this host sees alive: stopped (state T) or running but not answering. It is
-    stuck, not dead -- and what it is doing can be looked at."""
+def _tracer_words(rec: Mapping[str, Any], pid: Any, past: bool) -> str:
+    """What ``TracerPid`` said when the verdict read it: a debugger holds the process, or none does."""
+    tracer_pid, tracer = rec.get("tracer_pid"), rec.get("tracer")
+    holds = "held" if past else "holds"
+    if tracer_pid:
+        return (f"; TracerPid {tracer_pid}{f' ({tracer})' if tracer else ''} in /proc/{pid}/status: a debugger "
+                f"{holds} it")
+    if tracer_pid == 0:
+        return (f"; TracerPid 0 in /proc/{pid}/status: no debugger {holds} it, so a stop signal did (SIGSTOP from "
+                "`kill -STOP` or a script, SIGTSTP, a job suspended by the scheduler)")
+    return ": SIGSTOP, Ctrl-Z, a debugger, or a job suspended by the scheduler"
+
+
+def _frozen_finding(r: int, rec: Mapping[str, Any], store_lost: str | None, timeout: float = 60.0,
+                    local: bool = False) -> Finding:
+    """A silent rank whose process this host sees alive: stopped (state T) or running but not answering -- joined, or
+    (under --local, whose launcher posted its pid) never joined. It is stuck, not dead, and what it is doing can be
+    looked at: where it still exists. Under --local the launcher ends it right after this verdict (a stopped process
+    takes no other signal, and the check leaves no rank behind), so the fix says what it was and how to catch it
+    next time instead of naming a pid that will be gone."""
     ident, stage, state = rec.get("identity"), rec.get("stage"), rec.get("process")
-    host, pid = (ident or {}).get("host") or "?", (ident or {}).get("pid")
-    evidence = [f"its heartbeat stopped and it left no status; last stage entered: {_where(stage)}"]
+    started = rec.get("started") or {}
+    host = (ident or {}).get("host") or started.get("host") or "?"
+    pid = (ident or {}).get("pid") or started.get("pid")
+    if ident:
+        what = f"{DEAD_VERBS[state]} {_where(stage)}"
+        evidence = [f"its heartbeat stopped and it left no status; last stage entered: {_where(stage)}"]
+    else:
+        what = NOT_JOINED_WORDS[state]
+        evidence = [f"its launcher started it as process {pid}; it never reached the rendezvous store"
+                    + (f" (the others waited {timeout:g} s after the last rank that joined)" if state == "running"
+                       else "")]
+    is_ = "was, when this verdict was made," if local else "is"  # under --local it is ended right after
     if state == "stopped":
-        evidence.append(f"its process {pid} on host {host} is alive but stopped (state T in /proc/{pid}/stat): "
-                        "SIGSTOP, Ctrl-Z, a debugger, or a job suspended by the scheduler")
+        evidence.append(f"its process {pid} on host {host} {is_} alive but stopped (state T in /proc/{pid}/stat)"
+                        + _tracer_words(rec, pid, local))
+    elif ident:
+        evidence.append(f"its process {pid} on host {host} {is_} alive and running, but no thread of it answers: "
+                        "hung in native code (a driver call holding the GIL?)")
+    else:
+        evidence.append(f"its process {pid} on host {host} {is_} alive and running: still in its start (importing "
+                        "torch takes seconds; much longer is a loaded machine or an import that hangs, such as torch "
+                        "on a network filesystem)")
+    look = ("`ps -o pid,stat,args --ppid <torchdoctor's pid>` lists the ranks (state T: stopped), then "
+            + ("`py-spy dump --pid <pid>` (its Python stack), `grep TracerPid /proc/<pid>/status` (a debugger "
+               "holding it), `kill -CONT <pid>`" if state == "stopped" else "`py-spy dump --native --pid <pid>`"))
+    catch = (f"to look at it next time, do it before the verdict: the others wait --timeout ({timeout:g} s) for a "
+             f"silent rank; meanwhile {look}. A larger --timeout gives you longer, and under torchrun the check "
+             "itself ends no rank")
+    if local:
+        evidence.append("torchdoctor comm --local ends it (SIGKILL) "
+                        + ("right after this verdict (a stopped process takes no other signal)" if state == "stopped"
+                           else "a few seconds after this verdict, with any rank still left")
+                        + f", as it ends every rank it started: process {pid} is gone by the time you read this")
+    if state == "stopped" and local:
+        tracer_pid, tracer = rec.get("tracer_pid"), rec.get("tracer")
+        if tracer_pid:
+            cause = (f"a debugger ({tracer or 'process'} {tracer_pid}) held it: let it continue, or detach it, "
+                     f"within --timeout ({timeout:g} s), or the check counts the rank as stuck")
+        elif tracer_pid == 0:
+            cause = ("no debugger held it: find what sent it SIGSTOP (a `kill -STOP`, a script or tool that pauses "
+                     "processes, a Ctrl-Z sent to the rank itself)")
+        else:
+            cause = ("find what stopped it: a SIGSTOP (`kill -STOP`, a script) or a debugger (a non-zero TracerPid "
+                     "in /proc/<pid>/status names it; it could not be read here)")
+        fix = [cause, catch]
+    elif state == "stopped":
         fix = [f"see where it is: `py-spy dump --pid {pid}` on host {host} (its Python stack); "
                f"`grep -E 'State|TracerPid' /proc/{pid}/status` (a non-zero TracerPid is the debugger holding it)",
                f"resume it (`kill -CONT {pid}`) or find who stopped it (a debugger, `scontrol suspend`, a Ctrl-Z)"]
     else:
-        evidence.append(f"its process {pid} on host {host} is alive and running, but no thread of it answers: hung "
-                        "in native code (a driver call holding the GIL?)")
-        fix = [f"see what it is doing: `py-spy dump --native --pid {pid}` on host {host}",
-               "rerun with --nccl-debug INFO to see the last NCCL call"]
+        fix = [catch if local else f"see what it is doing: `py-spy dump --native --pid {pid}` on host {host}",
+               "rerun with --nccl-debug INFO to see the last NCCL call" if ident else
+               "a start this slow: fewer ranks on this machine, or a larger --timeout; a start that hangs: its "
+               "stack (`py-spy dump`) names the import"]
     if store_lost:
         evidence.append(f"it hosts the rendezvous store, which stopped answering: {store_lost}")
     return Finding(
-        "comm.rank-stuck", "fail", f"{describe(ident, r)} {DEAD_VERBS[state]} {_where(stage)}",
+        "comm.rank-stuck", "fail", f"{describe(ident, r)} {what}",
         evidence=evidence, fix=fix,
         data={"rank": r, "stage": (stage or {}).get("name"), "detail": (stage or {}).get("detail"), "process": state,
-              "pid": pid},
+              "pid": pid, "tracer_pid": rec.get("tracer_pid"), "tracer": rec.get("tracer"),
+              "ended_by_launcher": local},
     )
+
+
+def _slurm_fix(slurm_job: str | None) -> list[str]:
+    if not slurm_job:
+        return []
+    return [f"inside SLURM job {slurm_job}, its time limit or a `scancel` sends SIGTERM: `sacct -j {slurm_job} -o "
+            "JobID,State,Elapsed,Timelimit` shows which (State TIMEOUT or CANCELLED)"]
+
+
+def _outside_finding(sig: str, where: str, ranks: list[int], fault_first: bool, timeout: float,
+                     slurm_job: str | None) -> Finding:
+    """``--local``'s launcher received ``sig`` from outside and passed it on: the run was stopped, nobody failed."""
+    who = ("its terminal closed, or `kill -HUP`" if sig == "SIGHUP" else "`timeout`, `kill`, a scheduler")
+    what = f"stopped from outside ({sig} to torchdoctor comm: {who})"
+    evidence = [f"torchdoctor comm --local received {sig} and passed it on to every rank"
+                + (f": ranks {_ranks(ranks)} stopped on it" if ranks else "")]
+    if not fault_first:
+        evidence.append("no rank died, hung or failed on its own before it")
+    fix = (["run it where a closed terminal does not stop it (`nohup`, tmux, screen)"] if sig == "SIGHUP" else
+           [f"rerun with more time: a larger limit for `timeout` or the job (each stage ends within --timeout, "
+            f"{timeout:g} s; --bench takes longer)"]) + _slurm_fix(slurm_job)
+    return Finding(
+        "comm.terminated", "skip",
+        f"{what} during {where}: the stages after it were not checked" if where else
+        f"{what} before any rank joined: nothing was checked",
+        evidence=evidence, fix=fix, data={"ranks": ranks, "signal": sig})
 
 
 def cross_rank(idents: Mapping[int, Mapping[str, Any]], backend: str) -> list[Finding]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 
 from .._system import MIB
@@ -32,11 +33,15 @@ EXAMPLES = [
     ("torchdoctor comm --local 2 --bench --sizes 1M:256M", "bandwidth, as nccl-tests reports it"),
 ]
 EXIT_CODES = [(0, "every rank passed"), (1, "a rank is missing, broken or stuck"), (EXIT_USAGE, "bad usage"),
-              (130, "interrupted (Ctrl-C)")]
+              (130, "interrupted (Ctrl-C)"),
+              (143, "--local stopped from outside by SIGTERM (`timeout`, `kill`; 129 for SIGHUP)")]
+# counts are plain digits: int() would also take "1_0", " 10", "+10" and other scripts' digits
+_COUNT = re.compile(r"[0-9]+")
+_SECONDS = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--local", type=int, metavar="N", default=None,
+    parser.add_argument("--local", metavar="N", default=None,
                         help="start N ranks on this machine (no launcher needed), in batches of one per CPU "
                              f"(at least {MIN_BATCH}); refused beyond {RANKS_PER_CPU} ranks per CPU (a connectivity "
                              "check mostly waits) or what the available memory holds "
@@ -45,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --local: start N ranks even beyond what this machine holds")
     parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
                         help="auto (default): nccl when every rank has a CUDA device, else gloo")
-    parser.add_argument("--timeout", type=float, default=60.0,
+    parser.add_argument("--timeout", default="60",
                         help="seconds each stage (and each benchmark iteration) may take (default: 60)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--nccl-debug", choices=("INFO", "WARN", "TRACE", "VERSION"), default=None,
@@ -59,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="message sizes: a list (1K,1M,64M) or a range START:END[:FACTOR] (1K:64M doubles; "
                             f"default {DEFAULT_SIZES}); the full tensor's bytes, as in nccl-tests; {UNITS_HELP}, "
                             "a plain number is bytes")
-    bench.add_argument("--iters", type=int, default=20, help="timed iterations per size (default: 20)")
-    bench.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default: 5)")
+    bench.add_argument("--iters", default="20", help="timed iterations per size (default: 20)")
+    bench.add_argument("--warmup", default="5", help="untimed iterations first (default: 5)")
     bench.add_argument("--dtype", default="float32", choices=DTYPES, help="element type (default: float32)")
 
 
@@ -69,19 +74,34 @@ def _usage(message: str) -> int:
     return EXIT_USAGE
 
 
+def count(flag: str, text: str | None) -> int | str | None:
+    """A count given on the command line: plain digits (``10``), else the one-line reason it is refused."""
+    if text is None:
+        return None
+    if not _COUNT.fullmatch(text):
+        return f"{flag} takes a count in plain digits (0-9), got {text!r}"
+    return int(text)
+
+
 def _options(args: argparse.Namespace) -> Options | str:
     from .sizes import SizeError, parse_sizes
 
-    if not math.isfinite(args.timeout) or args.timeout < 1:
-        return "--timeout must be a number of seconds, at least 1"
-    if args.iters < 1 or args.warmup < 0:
+    timeout = float(args.timeout) if _SECONDS.fullmatch(str(args.timeout)) else math.nan
+    if not math.isfinite(timeout) or timeout < 1:
+        return (f"--timeout must be a number of seconds, at least 1 (plain digits, such as 60 or 2.5), "
+                f"got {args.timeout!r}")
+    iters, warmup = count("--iters", args.iters), count("--warmup", args.warmup)
+    for v in (iters, warmup):
+        if isinstance(v, str):
+            return v
+    if iters < 1 or warmup < 0:
         return "--iters must be at least 1 and --warmup at least 0"
     try:
         sizes = parse_sizes(args.sizes)
     except SizeError as e:
         return f"--sizes: {e}"
-    return Options(backend=args.backend, timeout=args.timeout, json=args.json, bench=args.bench, sizes=sizes,
-                   iters=args.iters, warmup=args.warmup, dtype=args.dtype, nccl_debug=args.nccl_debug,
+    return Options(backend=args.backend, timeout=timeout, json=args.json, bench=args.bench, sizes=sizes,
+                   iters=iters, warmup=warmup, dtype=args.dtype, nccl_debug=args.nccl_debug,
                    nccl_debug_subsys=args.nccl_debug_subsys)
 
 
@@ -95,6 +115,10 @@ def _nothing_to_test(world: int, backend: str, has_cuda: bool) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    local = count("--local", args.local)
+    if isinstance(local, str):
+        return _usage(local)
+    args.local = local
     opts = _options(args)
     if isinstance(opts, str):
         return _usage(opts)
@@ -118,6 +142,10 @@ def run(args: argparse.Namespace) -> int:
                       "or start ranks here with --local N")
     # c10d's C++ warnings come with stack traces on every store retry; our verdict says what they mean
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if args.local is None:  # a rank: its session takes SIGTERM / SIGINT in one thread, which torch's must not steal
+        from .session import block_stop_signals
+
+        block_stop_signals()
     import torch
 
     world = args.local if args.local is not None else launch.world_size

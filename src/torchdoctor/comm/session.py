@@ -28,7 +28,7 @@ from ..findings import Finding, render_text, use_color
 from ..jsonfile import dumps
 from . import checks, identity, rules
 from .launch import Launch
-from .procs import process_state
+from .procs import process_status
 from .sidechannel import SideChannel, StoreUnreachable
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -49,6 +49,17 @@ def injected_death(spec: str | None, rank: int) -> tuple[str, float] | None:
     except (ValueError, IndexError):
         raise ValueError(f"{TEST_DIE_ENV}={spec!r}: expected RANK:STAGE[:SECONDS]") from None
     return (stage, after) if who == rank and stage else None
+
+
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def block_stop_signals() -> None:
+    """Block SIGTERM and SIGINT in this thread and every thread started after it, so that only the session's
+    ``sigwait`` thread takes them. Called before torch is imported: threads torch starts at import would otherwise
+    leave SIGTERM unblocked, and the kernel may hand a process-wide SIGTERM to one of them -- its default action kills
+    the rank without a report (and a SIGINT there runs Python's handler, which the blocked main thread never sees)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
 def _matches(stage: str, name: str, detail: str) -> bool:
@@ -153,9 +164,22 @@ class RankSession:
                 self.fail("timeout", f"no progress in {where} for {self.opts.timeout:g} s")
 
     def _signals(self) -> None:
-        if signal.sigwait({signal.SIGTERM, signal.SIGINT}) == signal.SIGINT:  # Ctrl-C, or srun passing it on
+        if signal.sigwait(STOP_SIGNALS) == signal.SIGINT:  # Ctrl-C, or srun passing it on
             self.fail("interrupted", "interrupted by the user (SIGINT, Ctrl-C)")
-        self.fail("terminated", "stopped by SIGTERM (launchers stop every rank when one fails)")
+        self.fail("terminated", self._terminated_words())
+
+    def _terminated_words(self) -> str:
+        """Who sent this rank its SIGTERM. Under --local only the launcher passes one on, when it got a signal from
+        outside; under torchrun or srun it is their agent, which stops every rank once one has failed."""
+        if self.launch.mode != "local":
+            return "stopped by SIGTERM (launchers stop every rank when one fails)"
+        try:
+            got = self.channel.get("stopped_by") if self.channel else None
+        except Exception:
+            got = None
+        if got:
+            return f"stopped from outside ({got} to torchdoctor comm --local, passed on to every rank)"
+        return "stopped by a SIGTERM sent to this rank's own process (not through torchdoctor comm --local)"
 
     # -- the end -----------------------------------------------------------------------------------
     def fail(self, kind: str, error: str) -> None:
@@ -167,6 +191,10 @@ class RankSession:
         code = EXIT_PROBLEMS
         try:
             self._arm_hard_exit()
+            if self.channel is None and kind in ("interrupted", "terminated"):  # stopped before it reached the store
+                print(f"[rank {self.launch.rank}] torchdoctor comm: {error}, before this rank reached the rendezvous "
+                      "store: nothing was checked", file=sys.stderr, flush=True)
+                return
             if self.channel is None:  # could not even reach the store
                 self._print_alone(kind, error)
                 return
@@ -176,8 +204,9 @@ class RankSession:
         except BaseException:  # reporting itself broke (a closed stdout, a lost store): still leave
             pass
         finally:
-            self._exit(EXIT_USAGE if self.usage_error else EXIT_INTERRUPTED if kind == "interrupted" else
-                       max(code, EXIT_PROBLEMS))
+            # a signal after this rank passed (and printed that every rank did) changed nothing: the verdict's code
+            self._exit(EXIT_USAGE if self.usage_error else code if self._posted_ok else
+                       EXIT_INTERRUPTED if kind == "interrupted" else max(code, EXIT_PROBLEMS))
 
     def _arm_hard_exit(self) -> None:
         """Reporting reads the store, which can block forever if its host froze: bound it (a Python timer that
@@ -242,13 +271,17 @@ class RankSession:
         snap = ch.snapshot(settle=settle)
         here = socket.gethostname()
         for rec in snap.values():  # a silent rank on this host: is its process gone, stopped, or hung?
-            ident = rec["identity"]
-            if ident and not rec["final"] and not rec["alive"] and ident.get("host") == here:
-                rec["process"] = process_state(ident.get("pid"))
+            # its own identity, or (a rank that never joined) the process --local's launcher started for it
+            proc = rec["identity"] or (None if rec.get("exit") else rec.get("started"))
+            if proc and not rec["final"] and not rec["alive"] and proc.get("host") == here:
+                rec.update(process_status(proc.get("pid")))  # now: under --local the launcher ends it after this
         if self.backend == "auto":
             self.backend = ch.get("backend") or "not chosen"
+        local = self.launch.mode == "local"
         rows, findings = rules.judge(snap, self.backend, self.opts.timeout, ch.lost,
-                                     None if self.launch.agent_store else 0, interrupted=bool(ch.get("interrupted")))
+                                     None if self.launch.agent_store else 0,
+                                     stopped_by=ch.get("stopped_by") if local else None, local=local,
+                                     slurm_job=os.environ.get("SLURM_JOB_ID") or None)
         # What the identities show (a shared GPU, differing versions) is often the cause of a failed stage
         cross = rules.cross_rank({r: s["identity"] for r, s in snap.items()}, self.backend)
         findings = [f for f in cross if f.severity == "fail"] + findings + [f for f in cross if f.severity != "fail"]
@@ -307,8 +340,7 @@ class RankSession:
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self) -> NoReturn:
-        # before any thread, so that only _signals gets them
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        block_stop_signals()  # before any thread (run.py does it before importing torch), so only _signals gets them
         threading.Thread(target=self._signals, name="torchdoctor-signals", daemon=True).start()
         threading.Thread(target=self._watchdog, name="torchdoctor-watchdog", daemon=True).start()
         if self.opts.nccl_debug:

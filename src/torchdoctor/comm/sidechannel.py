@@ -14,8 +14,11 @@ connection, so a rank stuck in a collective still sees them):
 - rank 0's stage, re-read every beat when rank 0 hosts the store: when rank 0 dies, its store dies with it, and
   the survivors can only say where it died from what they read before.
 
-``--local``'s parent also writes ``launched`` (how many ranks it has started: it starts them in batches, so a rank
-that never joined may never have been started) and ``interrupted`` (it was Ctrl-C'd), read by the verdict.
+``--local``'s parent also writes, for the verdict: ``launched`` (how many ranks it has started: it starts them in
+batches, so a rank that never joined may never have been started), ``pid/<rank>`` (the process it started for that
+rank, and its host: a rank that never joined has no identity of its own, yet its process can be looked at) and
+``stopped_by`` (the signal it received from outside: SIGINT for a Ctrl-C, SIGTERM / SIGHUP from ``timeout``, ``kill``
+or a closed terminal; it passes it on to the ranks).
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ def exit_record(returncode: int, pid: int) -> dict:
         except ValueError:
             sig = f"signal {-returncode}"
     return {"returncode": returncode, "signal": sig, "pid": pid, "host": socket.gethostname()}
+
+
+def post_pid(store, rank: int, pid: int) -> None:
+    """The launcher's side: the process it just started for ``rank``."""
+    store.set(f"pid/{rank}", json.dumps({"pid": pid, "host": socket.gethostname()}))
 
 
 def post_exit(store, rank: int, record: dict) -> None:
@@ -162,7 +170,8 @@ class SideChannel:
                 continue
             rec = json.loads(store.get(f"exit/{r}"))
             self.exits[r] = self._seen[f"exit/{r}"] = rec
-            if r != self.launch.rank and not store.check([f"final/{r}"]):
+            # one that ended on the signal its launcher passed on to every rank: this rank has it too, and says so
+            if r != self.launch.rank and not rec.get("on_signal") and not store.check([f"final/{r}"]):
                 self.peer_deaths[r] = rec
 
     def stop_heartbeat(self, wait: float = 2.0) -> None:
@@ -256,6 +265,7 @@ class SideChannel:
                 "alive": r in moved,
                 "exit": self.get(f"exit/{r}") if self.watch_exits else None,
                 "launched": None if launched is None else r < launched,
+                "started": self.get(f"pid/{r}") if self.watch_exits else None,  # {"pid", "host"}: --local started it
             }
         return snap
 

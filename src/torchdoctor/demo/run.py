@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import signal
 import stat
@@ -73,10 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _whole(text: str, what: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number {what}, got {text!r}") from None
+    # digits only: Python's int() also takes "1_0" and other spellings nobody means as a count
+    if not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
+        raise argparse.ArgumentTypeError(f"must be a whole number {what}, got {text!r}")
+    return int(text)
 
 
 def _steps(text: str) -> int:
