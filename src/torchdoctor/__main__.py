@@ -4,4 +4,8 @@ import sys
 
 from .cli import main
 
-sys.exit(main())
+try:
+    code = main()
+except KeyboardInterrupt:  # one that came after main() had returned: still the user's Ctrl-C, not a crash
+    code = 130
+sys.exit(code)

@@ -10,6 +10,7 @@ Exit codes: 0 success, 1 problems found (for ``demo``: the demo did not go as sh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import os
@@ -131,6 +132,17 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit code. A Ctrl-C anywhere in it -- parsing, a command, the handling of an
+    error -- is "interrupted", exit 130, once: never a traceback, never the interpreter's own death by SIGINT."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        with contextlib.suppress(KeyboardInterrupt, OSError, ValueError):
+            print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     # torch warns "Failed to initialize NumPy" at import when numpy is absent (`make demo` installs torch alone);
     # torchdoctor never hands torch a numpy array, so the warning says nothing to its users.
     warnings.filterwarnings("ignore", message=r"Failed to initialize NumPy", category=UserWarning)
@@ -141,9 +153,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return importlib.import_module(args._module).run(args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:  # `torchdoctor ... | head`: the reader left; say nothing more
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
