@@ -12,7 +12,7 @@ optimizer inside it (``.optimizer``) and, under ``fp16=True``, the ``GradScaler`
 (``TrainingArguments(deepspeed=...)``) it gets accelerate's ``DeepSpeedOptimizerWrapper``, whose
 ``.optimizer`` is DeepSpeed's ZeRO optimizer: the DeepSpeed engine adapter wraps its ``step`` (which the
 Trainer reaches inside ``accelerator.backward``) and reads its loss scaler. Reports go to
-``args.output_dir`` unless ``report_dir`` is given.
+``args.output_dir`` unless ``report_dir`` is given (or ``torchdoctor run`` gives the run a report folder).
 
 The Trainer gives the model its ``labels``, so the model's own loss is a value the monitor sees: a step whose
 loss is inf while every gradient is finite does not stop training (the update is sound) but is a warning
@@ -24,12 +24,14 @@ its own logs.
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 from transformers import TrainerCallback
 
 from ..numerics.monitor import NumericsMonitor
 from ..numerics.options import check_options
+from ..runvars import REPORT_DIR_VAR
 
 
 class NumericsCallback(TrainerCallback):
@@ -60,7 +62,8 @@ class NumericsCallback(TrainerCallback):
         if model is None or optimizer is None:
             raise RuntimeError("the Trainer passed no model or optimizer to NumericsCallback.on_train_begin")
         self.close()
-        kwargs_ = {"report_dir": args.output_dir, **self.monitor_kwargs}
+        # reports go where `torchdoctor run` asked (its --report-dir or per-run folder), else into output_dir
+        kwargs_ = {"report_dir": os.environ.get(REPORT_DIR_VAR) or args.output_dir, "_via": "hf", **self.monitor_kwargs}
         # the monitor looks through accelerate's AcceleratedOptimizer; its GradScaler sits on the wrapper
         self.monitor = NumericsMonitor(model, optimizer=optimizer, scaler=getattr(optimizer, "scaler", None), **kwargs_)
         self.monitor.warnings = self.warnings  # one list for the whole of train(), readable once it returned

@@ -95,13 +95,24 @@ class Setup:
     ``mon.step()`` called before ``optimizer.step()``), so the weights measured now are the ones its forward ran
     with; ``always_before``: every step so far was, so no update from non-finite gradients was ever applied.
     ``kept_fp32``: the modules a ``keep_fp32`` guard keeps in fp32 now (qualified names): a fix that adds a
-    region adds it to those."""
+    region adds it to those. ``via``: how the monitor was attached (``monitor``: ``NumericsMonitor(...)``; ``hf`` /
+    ``lightning``: a ``NumericsCallback``; ``switch``: ``torchdoctor run --numerics``), so that advice to change an
+    option is written in the form the user attached it with (:meth:`option`)."""
 
     optimizer: bool = False
     manual: bool = False
     before_update: bool = False
     always_before: bool = False
     kept_fp32: tuple[str, ...] = ()
+    via: str = "monitor"
+
+    def option(self, name: str, value: object) -> str:
+        """The monitor's option ``name=value`` as the user sets it where they attached it."""
+        if self.via == "switch":
+            return f"torchdoctor run --numerics --{name.replace('_', '-')} {value}"
+        if self.via in ("hf", "lightning"):
+            return f"NumericsCallback({name}={value!r})"
+        return f"NumericsMonitor(..., {name}={value!r})"
 
     @classmethod
     def hooked(cls, kept_fp32: tuple[str, ...] = ()) -> Setup:
@@ -280,7 +291,7 @@ def diagnose(
             evidence=(Evidence.of(frame, line),),
         )
     if frame.phase == BWD:
-        return _backward(frames, index, line, what)
+        return _backward(frames, index, line, what, setup)
     if frame.phase == MARK:
         return Diagnosis(
             causes.MARKED_VALUE,
@@ -480,7 +491,7 @@ def _product_overflow(frames: list[ResolvedFrame], index: int, line: Line, x: Li
                      fix=causes.DIVERGENCE_FIX, evidence=evidence)
 
 
-def _backward(frames: list[ResolvedFrame], index: int, line: Line, what: str) -> Diagnosis:
+def _backward(frames: list[ResolvedFrame], index: int, line: Line, what: str, setup: Setup) -> Diagnosis:
     frame = frames[index]
     fp16, bf16 = _low_precision_words(frames, frame.step)
     fp16 = fp16 or narrow_range(line.dtype)
@@ -516,18 +527,19 @@ def _backward(frames: list[ResolvedFrame], index: int, line: Line, what: str) ->
             f"{where} The step computes in bf16, whose range is fp32's, so a loss scale will not help and neither "
             f"would fp32's range; bf16 keeps 8 bits of mantissa, so a difference of nearly equal values can round "
             f"to 0 before a division or a log: keep {keep} in fp32 to test that. If it stays {what} in fp32, it is "
-            "the derivative of an operation at a point where it has none (grads='modules' names the module, "
-            "torch.autograd.set_detect_anomaly(True) the op).",
+            f"the derivative of an operation at a point where it has none ({setup.option('grads', 'modules')} names "
+            "the module, torch.autograd.set_detect_anomaly(True) the op).",
             target or None, evidence=evidence,
         )
-    return Diagnosis(causes.BACKWARD_NONFINITE, f"{where} {_FP32_BACKWARD.format(name=keep)}", evidence=evidence)
+    text = _FP32_BACKWARD.format(name=keep, option=setup.option("grads", "modules"))
+    return Diagnosis(causes.BACKWARD_NONFINITE, f"{where} {text}", evidence=evidence)
 
 
 _FP32_BACKWARD = (
     "Every value is fp32 or wider, so this is not a small dtype's overflow and more precision will not help: it is "
     "the derivative of an operation at a point where it has none inside {name}'s backward (sqrt or norm of 0, "
     "log or pow near 0, torch.where whose unselected branch is inf/nan, a division by a value that can be 0), or a "
-    "gradient beyond fp32's range (a custom backward's huge factor). grads='modules' names the module, "
+    "gradient beyond fp32's range (a custom backward's huge factor). {option} names the module, "
     "torch.autograd.set_detect_anomaly(True) names the op."
 )
 _BEYOND_FP32 = (

@@ -132,7 +132,7 @@ class Judging:
                    "update is applied, or call mon.step() before optimizer.step(); " if self.optimizer is None else
                    "The optimizer is given, but with manual steps the check runs at mon.step(): call it before "
                    "optimizer.step() and zero_grad(), so the step is checked with its gradients, before its update; ")
-                + "grads='modules' names the module. Under "
+                + f"{self._setup().option('grads', 'modules')} names the module. Under "
                 "a loss scaler, pass it too (scaler=...): its overflows are then recorded, not raised.",
                 rank=self.rank, cause=causes.UNKNOWN_GRADIENT,
             )
@@ -153,7 +153,7 @@ class Judging:
         not_the_model = report.cause in (causes.LOSS_OUTSIDE_MODEL, causes.DIVERGENCE)
         if self.grads == "params" and only_backward and not not_the_model:
             report.notes.append(
-                "To see where the backward blow-up starts, run with NumericsMonitor(..., grads='modules')."
+                f"To see where the backward blow-up starts, run with {self._setup().option('grads', 'modules')}."
             )
         self._raise(report)
 

@@ -70,11 +70,12 @@ from torch import nn
 
 from .buffers import BufferGuard
 from .causes import GrowthTrail
+from .closures import ClosureSteps
 from .compiled import Region, Regions
 from .engines import MonitorWarning, select_engine
 from .frames import ModuleInfo
 from .judging import Judging
-from .options import check_options
+from .options import check_options, default_report_dir
 from .recording import Recording
 from .report import NonFiniteReport
 from .scalers import LossScaler, OverflowEvent
@@ -82,6 +83,7 @@ from .stats import fused_check_works
 from .step import StepRecord
 from .stepping import Stepping
 from .trace import TraceWriter
+from .watched import describe
 from .windows import window_reduce_works
 
 log = logging.getLogger("torchdoctor.numerics")
@@ -121,7 +123,9 @@ class NumericsMonitor(Recording, Stepping, Judging):
         trace_steps (Iterable[int], optional): steps whose every frame is printed and written to
             ``torchdoctor-trace-rank<r>.jsonl``.
         abort_after_step (int, optional): raise :class:`AbortAfterStep` once step N has finished.
-        report_dir (str): where ``torchdoctor-nonfinite-rank<r>.txt`` / ``.json`` are written.
+        report_dir (str, optional): where ``torchdoctor-nonfinite-rank<r>.txt`` / ``.json`` are written (default:
+            ``$TORCHDOCTOR_REPORT_DIR``, the folder ``torchdoctor run`` gives the processes it starts, else the
+            current directory).
         auto_localize (bool): after a gradient overflow seen at ``"params"`` level, switch to
             ``"modules"`` so the next one is localized. Defaults to True.
         sync_ranks (bool, optional): under torch.distributed, share the step's verdict with one tiny
@@ -151,7 +155,7 @@ class NumericsMonitor(Recording, Stepping, Judging):
         max_frames: int = 21,
         trace_steps: Iterable[int] | None = None,
         abort_after_step: int | None = None,
-        report_dir: str | os.PathLike = ".",
+        report_dir: str | os.PathLike | None = None,
         auto_localize: bool = True,
         min_loss_scale: float = 1.0,
         max_consecutive_overflows: int = 30,
@@ -159,6 +163,7 @@ class NumericsMonitor(Recording, Stepping, Judging):
         manual_steps: bool = False,
         stream: TextIO | None = None,
         _hf: bool = False,
+        _via: str = "monitor",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"NumericsMonitor needs an nn.Module, got {type(model).__name__}")
@@ -177,15 +182,17 @@ class NumericsMonitor(Recording, Stepping, Judging):
         self._scaler = self._engine.scaler
         self.scaler = self._scaler.obj if self._scaler is not None else None
         self.grads = grads
+        self.watching = describe(model, self.optimizer, grads)  # what it watches, in one line (watched.describe)
         self.max_frames = operator.index(max_frames)
         self.trace_steps = traced
         self.abort_after_step = None if abort_after_step is None else operator.index(abort_after_step)
-        self.report_dir = os.fspath(report_dir)
+        self.report_dir = os.fspath(default_report_dir() if report_dir is None else report_dir)
         self.auto_localize = auto_localize
         self.min_loss_scale = min_loss_scale
         self.max_consecutive_overflows = max_consecutive_overflows
         self.stream = stream
         self._hf = _hf
+        self._via = _via  # how the user attached it: the form of the options the advice names (diagnosis.Setup)
         rank, world = _dist_rank_world()
         self.rank = rank if world > 1 else None
         self._world = world
@@ -199,6 +206,7 @@ class NumericsMonitor(Recording, Stepping, Judging):
         self._consecutive_overflows = 0
         self._manual = manual_steps
         self._optimizer_stepped = False
+        self._closures = ClosureSteps(self._check_closure, self._rewrite_report)
         # manual steps with an optimizer given: the last step whose optimizer.step() came before its mon.step(), and
         # whether any did (the check then followed the update: what a report's advice says)
         self._updated_in: int | None = None
@@ -297,7 +305,9 @@ class NumericsMonitor(Recording, Stepping, Judging):
 
         @functools.wraps(original)  # keeps what wrappers set on it (LR schedulers' _wrapped_by_lr_sched)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            before(*args, **kwargs)
+            replaced = before(*args, **kwargs)
+            if replaced is not None:  # new (args, kwargs), as a torch step pre-hook may return
+                args, kwargs = replaced
             out = original(*args, **kwargs)
             if after is not None:
                 after(*args, **kwargs)

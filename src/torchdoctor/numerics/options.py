@@ -8,6 +8,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from ..runvars import REPORT_DIR_VAR
+
 GRAD_LEVELS = ("none", "params", "modules")
 
 
@@ -27,7 +29,7 @@ def check_options(
     max_frames: int = 21,
     trace_steps: Any = None,
     abort_after_step: Any = None,
-    report_dir: Any = ".",
+    report_dir: Any = None,
     min_loss_scale: float = 1.0,
     max_consecutive_overflows: int = 30,
     stream: Any = None,
@@ -44,6 +46,8 @@ def check_options(
         raise ValueError(f"trace_steps must be a list of step numbers (ints >= 0), got {trace_steps!r}")
     if abort_after_step is not None and not _is_count(abort_after_step):
         raise ValueError(f"abort_after_step must be an int >= 0 (steps count from 0), got {abort_after_step!r}")
+    if report_dir is None:
+        report_dir = default_report_dir()
     if not isinstance(report_dir, (str, os.PathLike)):
         raise TypeError(f"report_dir must be a path, got {type(report_dir).__name__}")
     if os.path.exists(report_dir) and not os.path.isdir(report_dir):
@@ -55,3 +59,9 @@ def check_options(
     if stream is not None and not callable(getattr(stream, "write", None)):
         raise TypeError(f"stream must be a text stream with write(), got {type(stream).__name__}")
     return frozenset(operator.index(s) for s in steps or ())
+
+
+def default_report_dir() -> str:
+    """Where reports go when no ``report_dir`` is given: the folder ``torchdoctor run`` gives the command
+    (``$TORCHDOCTOR_REPORT_DIR``: ``--report-dir`` or a folder of its own per run), else the current directory."""
+    return os.environ.get(REPORT_DIR_VAR) or "."

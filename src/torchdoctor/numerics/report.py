@@ -62,6 +62,8 @@ class NonFiniteReport:
     # lines the diagnosis cites from frames recorded after the first bad one (the model's own frame, whose inputs
     # are what it was given, ends after its modules'): shown after the frames, so every claim can be read there
     cited: list[ResolvedFrame] = field(default_factory=list)
+    # what the monitor watched (watched.describe): the model, its size, the optimizer, the wrappers
+    watched: str | None = None
 
     def text(self) -> str:
         tag = f"[rank{self.rank}] " if self.rank is not None else ""
@@ -90,6 +92,8 @@ class NonFiniteReport:
             out.append("Cited by the diagnosis, from frames that end later in the step:")
             out.extend(format_frames(self.cited)[1:])
         out.extend(self.notes)
+        if self.watched:
+            out.append(f"Watched: {self.watched}")
         return "\n".join(tag + line for line in out)
 
     def to_json(self) -> dict[str, Any]:
@@ -108,6 +112,7 @@ class NonFiniteReport:
             "notes": self.notes,
             "frames": [f.to_json() for f in self.frames],
             "cited": [f.to_json() for f in self.cited],
+            "watched": self.watched,
         }
 
     def write(self, report_dir: str | os.PathLike, basename: str = "torchdoctor-nonfinite") -> list[str]:

@@ -64,7 +64,7 @@ class Stepping:
         """What a report's advice may assume beyond its frames (:class:`~.diagnosis.Setup`). Report time only."""
         before = self._checked_before_update()
         return Setup(self.optimizer is not None, self._manual, before, before and not self._late_check,
-                     kept_in_fp32(self._engine.modules()))
+                     kept_in_fp32(self._engine.modules()), self._via)
 
     # ------------------------------------------------------------------ step boundaries
     def step(self) -> None:
@@ -75,18 +75,48 @@ class Stepping:
         self._forward_pending = False
         self._close_step("manual")
 
-    def on_pre_step(self, *_: Any, **__: Any) -> None:
-        """The optimizer is about to apply the step: check it first (with manual steps, note that this step's update
-        comes before its check at mon.step(), for the advice of a report)."""
+    def on_pre_step_hook(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """torch's step pre-hook (``args`` begin with the optimizer); may hand ``step()`` a checking closure."""
+        return self._pre_step(args, kwargs, first=1)
+
+    def on_pre_step(self, *args: Any, **kwargs: Any) -> tuple[tuple, dict] | None:
+        """Before a wrapped ``step()`` (``args`` are its own)."""
+        return self._pre_step(args, kwargs, first=0)
+
+    def _pre_step(self, args: tuple, kwargs: dict, first: int) -> tuple[tuple, dict] | None:
+        """The optimizer is about to apply the step: check it first -- or, when ``step(closure)`` runs the forward
+        and backward itself, each time the closure returns (:mod:`.closures`). With manual steps, note that this
+        step's update comes before its check at mon.step(), for the advice of a report."""
         if self._active and not self._manual:
+            replaced = self._closures.begin(self.optimizer, args, kwargs, first)
+            if replaced is not None:
+                return replaced
             self._close_step("optimizer", abort_check=False)
             self._optimizer_stepped = True  # scaler.update() of this step has nothing left to check
         elif self._active and not self._rec.empty:
             self._updated_in = self.step_index
             self._late_check = True
+        return None
+
+    def _check_closure(self, again: bool) -> None:
+        """The closure of ``step(closure)`` returned (``again``: a later evaluation of the same step): check what
+        it ran; the step number moves on only when ``step()`` returns."""
+        self._close_step("optimizer", abort_check=False, advance=False)
+        self._optimizer_stepped = True
+
+    def _rewrite_report(self, report: NonFiniteReport) -> None:
+        try:
+            report.write(self.report_dir)
+        except Exception as e:
+            report.notes.append(f"(could not write the report to {self.report_dir}: {e})")
 
     def on_post_step(self, *_: Any, **__: Any) -> None:
         if self._active and not self._manual:
+            calls = self._closures.end()
+            if calls == 0:  # the optimizer never evaluated its closure: check what there is, late
+                self._close_step("optimizer", abort_check=False)
+            elif calls is not None:
+                self._rotate()  # the step was checked at each evaluation: now it ends
             self._check_abort_after(self.step_index - 1)
 
     def on_scaler_update(self, *args: Any, **kwargs: Any) -> None:
@@ -112,8 +142,9 @@ class Stepping:
         if self._active and not self._manual and self._rec.backward_ran:
             self._close_step("skipped")
 
-    def _close_step(self, source: str, abort_check: bool = True) -> None:
-        """Check the finished step with one host read; raise or record what went wrong."""
+    def _close_step(self, source: str, abort_check: bool = True, advance: bool = True) -> None:
+        """Check the finished step with one host read; raise or record what went wrong (``advance=False``: the
+        step goes on, a closure's evaluation)."""
         rec = self._rec
         rec.settle()
         nothing = rec.empty and self._deferred_report is None
@@ -143,7 +174,7 @@ class Stepping:
             self._growth.add(step, judged)  # a few device ops, read only when a report is built
         else:
             self._handle_nonfinite(step, source, check_grads)
-        self._rotate()
+        self._rotate(advance)
         if abort_check and source != "skipped":
             self._check_abort_after(step)
 
@@ -233,6 +264,7 @@ class Stepping:
         watching from a fresh step. ``reset=False`` (a no-grad pass between a backward and its optimizer step):
         the training step it interrupted is resumed as it is, still to be checked at its own boundary."""
         self.report = report
+        report.watched = report.watched or self.watching
         if self._at_exit:
             report.notes.append(EXIT_NOTE)
         restored = self._after_detection() if reset else 0

@@ -108,7 +108,7 @@ class Engine:
         opt = self.optimizer
         if opt is not None:
             if hasattr(opt, "_optimizer_step_pre_hooks"):
-                mon.add_handle(opt.register_step_pre_hook(eager(mon.on_pre_step)))
+                mon.add_handle(opt.register_step_pre_hook(eager(mon.on_pre_step_hook)))
                 mon.add_handle(opt.register_step_post_hook(eager(mon.on_post_step)))
             else:
                 log.info("%s has no step hooks: wrapping its step() instead", type(opt).__name__)

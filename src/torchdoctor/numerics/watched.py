@@ -1,0 +1,72 @@
+"""What a monitor watches, in one line: the user's model, its size, the optimizer, the wrappers around it.
+
+``GPT2LMHeadModel (124M params) with AdamW, DDP, grads=params`` -- logged when ``torchdoctor run --numerics``
+attaches, and kept in every report, so a run under a wrapper other than the one asked for (accelerate running DDP
+where FSDP was configured) says which one was watched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .wrappers import _inner, is_wrapper, unwrap_model, user_class_name
+
+# short names of the wrappers people know by them (others: their class name)
+_SHORT = {
+    "DistributedDataParallel": "DDP",
+    "FullyShardedDataParallel": "FSDP1",
+    "OptimizedModule": "torch.compile",
+    "DeepSpeedEngine": "DeepSpeed",
+    "PipelineEngine": "DeepSpeed pipeline",
+    "_FabricModule": "Fabric",
+}
+
+
+def wrappers_of(model: nn.Module) -> list[str]:
+    """The wrappers around the user's module, outermost first (FSDP2 is a class swap, not a wrapper)."""
+    out = []
+    while is_wrapper(model):
+        name = type(model).__name__
+        out.append(_SHORT.get(name, name))
+        if name == "DeepSpeedEngine":
+            stage = _zero_stage(model)
+            if stage is not None:
+                out[-1] = f"DeepSpeed ZeRO-{stage}"
+        model = _inner(model)
+    root = unwrap_model(model)
+    if user_class_name(root) != type(root).__name__:
+        out.append("FSDP2")
+    return out
+
+
+def _zero_stage(engine: Any) -> int | None:
+    try:
+        return int(engine.zero_optimization_stage())
+    except Exception:
+        return None
+
+
+def parameter_count(root: nn.Module) -> int:
+    """Every parameter's full size, also where this rank holds only a part (DeepSpeed ZeRO-3 keeps ``ds_numel``;
+    FSDP2's DTensors answer their global size)."""
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in root.parameters())
+
+
+def human_count(n: int) -> str:
+    if n >= 10**9:
+        return f"{n / 1e9:.1f}B"
+    if n >= 10**6:
+        return f"{n / 1e6:.0f}M" if n >= 10**7 else f"{n / 1e6:.1f}M"
+    if n >= 10**3:
+        return f"{n / 1e3:.0f}K"
+    return str(n)
+
+
+def describe(model: nn.Module, optimizer: Any, grads: str) -> str:
+    """``GPT2LMHeadModel (124M params) with AdamW, DDP, grads=params`` for ``model`` as given to the monitor."""
+    root = unwrap_model(model)
+    parts = [f"{user_class_name(root)} ({human_count(parameter_count(root))} params)"]
+    with_ = [type(optimizer).__name__ if optimizer is not None else "no optimizer", *wrappers_of(model)]
+    return f"{parts[0]} with {', '.join(with_)}, grads={grads}"

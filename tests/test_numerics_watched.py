@@ -1,0 +1,84 @@
+"""What the monitor watched is said in every report, and advice to change an option is written in the form the
+user attached the monitor with (the library, a Trainer callback, the ``run --numerics`` switch)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchdoctor import NonFiniteError, NumericsMonitor
+from torchdoctor.numerics.diagnosis import Setup
+from torchdoctor.numerics.watched import describe, human_count
+
+
+class SqrtOfZero(nn.Module):
+    """Finite forward (sqrt(0) = 0), non-finite backward (its derivative at 0 is inf): fp32 cannot help."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x * 0)
+
+
+def bad_backward(tmp_path, via: str) -> NonFiniteError:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), SqrtOfZero(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = NumericsMonitor(model, opt, report_dir=str(tmp_path), _via=via)
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+        with pytest.raises(NonFiniteError) as caught:
+            opt.step()
+    finally:
+        mon.close()
+    return caught.value
+
+
+FORMS = {
+    "monitor": "NumericsMonitor(..., grads='modules')",
+    "hf": "NumericsCallback(grads='modules')",
+    "lightning": "NumericsCallback(grads='modules')",
+    "switch": "torchdoctor run --numerics --grads modules",
+}
+
+
+@pytest.mark.parametrize("via", sorted(FORMS))
+def test_option_advice_in_the_form_of_the_integration(tmp_path, via):
+    err = bad_backward(tmp_path, via)
+    advice = err.details.diagnosis + " ".join(err.details.notes)
+    assert FORMS[via] in advice
+    assert "grads='modules' names" not in advice.replace(FORMS[via], "")  # no bare or other form beside it
+    for other in set(FORMS.values()) - {FORMS[via]}:
+        assert other not in advice
+
+
+def test_setup_option_forms():
+    assert Setup(via="switch").option("trace_steps", "1,3") == "torchdoctor run --numerics --trace-steps 1,3"
+    assert Setup().option("abort_after_step", 3) == "NumericsMonitor(..., abort_after_step=3)"
+
+
+def test_the_report_says_what_was_watched(tmp_path):
+    err = bad_backward(tmp_path, "monitor")
+    assert err.details.watched == "Sequential (25 params) with SGD, grads=params"
+    saved = json.loads((tmp_path / "torchdoctor-nonfinite-rank0.json").read_text())
+    assert saved["watched"] == err.details.watched
+    assert "Watched: Sequential (25 params) with SGD, grads=params" in err.report
+
+
+def test_wrappers_are_named_outermost_first(tmp_path):
+    model = nn.Sequential(nn.Linear(1000, 1000))
+    opt = torch.optim.AdamW(model.parameters())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(model)
+        assert describe(torch.compile(ddp), opt, "modules") == (
+            "Sequential (1.0M params) with AdamW, torch.compile, DDP, grads=modules")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_human_counts():
+    assert [human_count(n) for n in (7, 25_000, 1_000_000, 124_439_808, 6_738_415_616)] == [
+        "7", "25K", "1.0M", "124M", "6.7B"]
