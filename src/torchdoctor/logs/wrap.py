@@ -49,6 +49,7 @@ from .._system import (
     unreadable,
 )
 from ..findings import Finding
+from ..runvars import REPORT_DIR_VAR
 from .analyze import signal_name as signame
 from .wrap_findings import (  # noqa: F401 -- re-exported: the findings are part of this module's API
     MEMORY_FIXES,
@@ -281,7 +282,7 @@ class RunResult:
 
 
 def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
-                out_fd: int = 1, err_fd: int = 2) -> RunResult:
+                out_fd: int = 1, err_fd: int = 2, report_dir: str | None = None) -> RunResult:
     """Run ``argv``, pass its output through to ``out_fd``/``err_fd``, watch it, and say how it ended.
 
     Args:
@@ -289,6 +290,8 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         log_file: an open binary file; every byte the command writes (stdout and stderr, in arrival order)
             is appended to it and flushed at once.
         interval: seconds between memory samples.
+        report_dir: where the numerics monitor's report files are looked for (besides the current directory);
+            exported to the command as ``TORCHDOCTOR_REPORT_DIR``.
 
     Raises:
         WrapError: the command could not be started (exit_code 127: not found, 126: not executable).
@@ -311,7 +314,7 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         # hiwater and exec keeps the maximum), not at its current RSS: compare against the high-water mark
         own_rss = max(vm_rss(os.getpid()) or 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         started_at = time.time()  # for the kernel log: an OOM line dated before it is not about this command
-        proc = spawn(argv)
+        proc = spawn(argv, {REPORT_DIR_VAR: os.path.abspath(report_dir)} if report_dir else None)
         start = time.monotonic()
         sigs.start = start
         sigs.attach(proc.pid)
@@ -388,7 +391,9 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
                                   exit_code=code, host=socket.gethostname())
     analysis.set_exit(code)
     result.last_lines = analysis.last_lines()
-    result.log_findings, result.timeline = log_findings, timeline = analysis.finish()
+    log_findings, result.timeline = analysis.finish()
+    log_findings = _numerics(log_findings, analysis, report_dir, started_at)
+    result.log_findings = log_findings
     result.findings = [exit_finding(result)]
     mf = memory_finding(result)
     if mf is not None:
@@ -398,6 +403,21 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
                                        evidence=[analysis.error], fix=[], data={}))
     result.findings += log_findings
     return result
+
+
+def _numerics(findings: list[Finding], analysis: Analysis, report_dir: str | None, since: float) -> list[Finding]:
+    """The log findings with the numerics monitor's verdict (``numerics.nonfinite``) first, its traceback folded
+    in; a bug here costs only that finding."""
+    try:
+        from .wrap_numerics import fold, nonfinite_finding, read_reports
+
+        dirs = [d for d in (report_dir, os.getcwd()) if d]
+        reports, problems = read_reports(dirs, since)
+        nf = nonfinite_finding(reports, analysis.numerics.detections, problems, dirs)
+        return fold(findings, nf)
+    except Exception as e:  # noqa: BLE001
+        return [*findings, Finding("logs.analyzer-error", "info", "the numerics verdict could not be made",
+                                   evidence=[f"{type(e).__name__}: {e}"], fix=[], data={})]
 
 
 __all__ = ["RunResult", "WrapError", "run_command", "exit_finding", "memory_finding", "read_kernel_oom",

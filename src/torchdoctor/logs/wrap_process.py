@@ -189,13 +189,14 @@ class Signals:
 # ------------------------------------------------------------------------------------ start and stop
 
 
-def spawn(argv: list[str]) -> subprocess.Popen:
+def spawn(argv: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``argv`` with piped stdout/stderr in its own process group (looked up on PATH like a shell does).
 
     Raises:
         WrapError: the command could not be started (exit_code 127: not found, 126: not executable).
     """
     env = dict(os.environ)
+    env.update(extra_env or {})
     env.setdefault("PYTHONUNBUFFERED", "1")  # its stdout is a pipe now: without this Python would block-buffer
     # Our own group for the child: a signal we forward reaches the whole tree exactly once. A terminal as
     # stdin would stop a background group that reads it (SIGTTIN) -- give it no stdin rather than a hang.

@@ -164,6 +164,9 @@ class Analysis:
     def __init__(self) -> None:
         self.error: str | None = None
         self.analyzer: Any = None
+        from .wrap_numerics import OutputScan
+
+        self.numerics = OutputScan()  # the numerics monitor's Detected lines (guarded on its own)
         try:
             from .analyze import Analyzer
 
@@ -172,6 +175,8 @@ class Analysis:
             self.error = f"cannot start the log analyzer: {type(e).__name__}: {e}"
 
     def feed(self, blocks: list[tuple[Any, bool]]) -> None:
+        for block, _ in blocks:
+            self.numerics.feed(block)
         if self.analyzer is None:
             return
         try:

@@ -1,4 +1,4 @@
-"""``torchdoctor run [--log FILE] [--json FILE] [--interval S] -- CMD ...``: run a command, explain how it ended.
+"""``torchdoctor run [--log FILE] [--json FILE] [--report-dir DIR] -- CMD ...``: run a command, explain how it ended.
 
 The command's stdout and stderr pass through unchanged (its stdout stays clean for pipes), so
 everything torchdoctor itself says goes to **stderr**, after the command has ended: the log findings
@@ -12,6 +12,13 @@ has ended): ``{"command", "pid", "exit_code", "signal", "duration_s", "peak_rss_
 "findings", "timeline", "memory"}``. A file, not stdout, by default because stdout carries the command's
 own output; the text findings on stderr are printed either way.
 
+One verdict per run: when the numerics monitor (``torchdoctor.NumericsMonitor``) found an inf/nan, the
+``numerics.nonfinite`` finding says where (rank, step, phase, module, slot), why and what to do, from its report
+files (``torchdoctor-nonfinite-rank*.json`` written during the run in ``--report-dir DIR`` -- created if missing;
+by default a new ``./torchdoctor-reports/run-...`` folder per run -- exported to the command as
+``TORCHDOCTOR_REPORT_DIR``, where a monitor given no ``report_dir`` writes; and in the current directory), else from its
+``Detected ...`` output lines; its NonFiniteError traceback is folded into it (no ``process.exception``).
+
 How the command runs: in its own process group (SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to torchdoctor are
 forwarded to that whole group, so torchrun and its workers get one Ctrl-C; a third Ctrl-C sends SIGKILL), with
 ``PYTHONUNBUFFERED=1`` unless set (its stdout is a pipe now, and Python would otherwise hold prints back), and
@@ -23,7 +30,7 @@ stdout goes away (``torchdoctor run -- CMD | head``), the command's stdout pipe 
 pipeline without torchdoctor, and the findings still go to stderr.
 
 Exit status: the command's own (128 + N when signal N killed it), 127 when it is not found, 126 when it
-cannot be executed, 2 for bad usage (no command, an unwritable --log or --json file).
+cannot be executed, 2 for bad usage (no command, an unwritable --log or --json file or --report-dir).
 """
 
 from __future__ import annotations
@@ -33,9 +40,12 @@ import math
 import os
 import shutil
 import sys
+import time
+
+from ..runvars import REPORT_DIR_VAR
 
 EXIT_USAGE, EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND = 2, 126, 127
-USAGE = "torchdoctor run [--log FILE] [--json FILE] [--interval S] -- CMD [ARG ...]"
+USAGE = "torchdoctor run [--log FILE] [--json FILE] [--interval S] [--report-dir DIR] -- CMD [ARG ...]"
 EXAMPLES = [
     ("torchdoctor run -- python train.py", "run it; explain how it ended, on stderr"),
     ("torchdoctor run --log train.log -- torchrun --nproc_per_node 8 train.py", "keep the output too"),
@@ -63,8 +73,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the report as one JSON object to FILE ('-': stdout, after the command's output)")
     parser.add_argument("--interval", metavar="S", type=_interval, default=0.5,
                         help="seconds between samples of the process tree's RSS and MemAvailable (default 0.5)")
+    parser.add_argument("--report-dir", metavar="DIR", default=None,
+                        help="where the numerics monitor writes its report files, read for the numerics.nonfinite "
+                             "finding (created if missing; exported to the command as TORCHDOCTOR_REPORT_DIR). "
+                             "Default: a new folder per run, ./torchdoctor-reports/run-<date>-<time>-<pid>, made only "
+                             "when there is a report to write")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD",
                         help="the command to run, after `--` (e.g. -- deepspeed train.py --deepspeed ds.json)")
+
+
+def run_report_dir() -> str:
+    """The report folder of a run without ``--report-dir``: the one an enclosing ``torchdoctor run`` gave, else
+    ``./torchdoctor-reports/run-<date>-<time>-<pid>``, a new one per run (an earlier run's reports are never
+    overwritten). Not created here: the monitor creates it when it has something to write."""
+    given = os.environ.get(REPORT_DIR_VAR)
+    if given:
+        return given
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join(os.getcwd(), "torchdoctor-reports", f"run-{stamp}-{os.getpid()}")
 
 
 def _say(msg: str) -> None:
@@ -92,6 +118,17 @@ def run(args: argparse.Namespace) -> int:
         _say(f"--json takes a FILE, and {json_path!r} is a program; write e.g. --json report.json -- {json_path} ...")
         return EXIT_USAGE
 
+    report_dir = getattr(args, "report_dir", None)
+    if report_dir is not None:
+        from .wrap_numerics import check_report_dir
+
+        why = check_report_dir(report_dir) if report_dir else "empty path"
+        if why:
+            _say(f"cannot write --report-dir {report_dir}: {why}")
+            return EXIT_USAGE
+    else:
+        report_dir = run_report_dir()
+
     log_file = json_file = None
     try:
         if args.log:
@@ -107,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
                 _say(f"cannot write --json {json_path}: {e.strerror or e}")
                 return EXIT_USAGE
         try:
-            result = run_command(cmd, log_file=log_file, interval=interval)
+            result = run_command(cmd, log_file=log_file, interval=interval, report_dir=report_dir)
         except WrapError as e:
             _say(str(e))
             return e.exit_code
