@@ -342,7 +342,7 @@ def test_bad_arguments_are_clear(kwargs, message):
     with pytest.warns(MonitorWarning, match="a bad update cannot be stopped"):  # an unhookable optimizer
         NumericsMonitor(torch.nn.Linear(2, 2), optimizer=object()).close()
     with pytest.raises(TypeError, match="report_dir must be a path"):
-        NumericsMonitor(torch.nn.Linear(2, 2), report_dir=None)
+        NumericsMonitor(torch.nn.Linear(2, 2), report_dir=3)
     with pytest.raises(TypeError, match="stream must be a text stream"):
         NumericsMonitor(torch.nn.Linear(2, 2), stream="out.txt")
 
