@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -114,3 +115,34 @@ def torchrun(script: str, *args: str, ranks: int = 2, timeout: int = 300, **env:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+# ---------------------------------------------------------------- DeepSpeed on CPU (one process, gloo)
+def _ds_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src"), "OMP_NUM_THREADS": "1",
+            "DS_ACCELERATOR": "cpu", **extra}
+
+
+def ds_single_env(port: int) -> dict[str, str]:
+    return _ds_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def deepspeed_built() -> None:
+    """Build DeepSpeed's CPU comm op once (a build killed midway leaves a lock that blocks the next forever)."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    for lock in root.glob("*/deepspeed_shm_comm/lock"):
+        if time.time() - lock.stat().st_mtime > 900:
+            lock.unlink()
+    code = "import deepspeed; deepspeed.init_distributed(dist_backend='gloo')"
+    proc = subprocess.run([sys.executable, "-c", code], env=ds_single_env(free_port()), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -8,15 +8,13 @@ DeepSpeed JIT-builds a small shared-memory comm op with gcc the first time a pro
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import torchrun
+from conftest import ds_single_env, free_port, torchrun
 
 pytest.importorskip("deepspeed")
 
@@ -24,36 +22,6 @@ HERE = Path(__file__).parent
 ENGINE_CASES = [f"z{stage}-{dtype}" for stage in range(4) for dtype in ("fp32", "bf16")]
 OPTIMIZERS = {"z0-fp32": "AdamW", "z0-bf16": "FP16_UnfusedOptimizer", "z1": "DeepSpeedZeroOptimizer",
               "z2": "DeepSpeedZeroOptimizer", "z3": "DeepSpeedZeroOptimizer_Stage3"}
-
-
-def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(HERE.parent / "src"), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-            **extra}
-
-
-def _single(port: int) -> dict[str, str]:
-    return _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def deepspeed_built() -> None:
-    """Build DeepSpeed's CPU comm op once (a build killed midway leaves a lock that blocks the next forever)."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    for lock in root.glob("*/deepspeed_shm_comm/lock"):
-        if time.time() - lock.stat().st_mtime > 900:
-            lock.unlink()
-    code = "import deepspeed; deepspeed.init_distributed(dist_backend='gloo')"
-    proc = subprocess.run([sys.executable, "-c", code], env=_single(_free_port()), capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _load(out: Path, cases: list[str], ranks: tuple[int, ...]) -> dict:
@@ -70,8 +38,8 @@ def _load(out: Path, cases: list[str], ranks: tuple[int, ...]) -> dict:
 def one_rank(deepspeed_built, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ds1")
     cases = [*ENGINE_CASES, "scaler", "scaler-passed", "accumulation", "standalone-scaler", "hf"]
-    proc = subprocess.run([sys.executable, str(HERE / "ds_worker.py"), str(out), *cases], env=_single(_free_port()),
-                          capture_output=True, text=True, timeout=600, cwd=out)
+    proc = subprocess.run([sys.executable, str(HERE / "ds_worker.py"), str(out), *cases],
+                          env=ds_single_env(free_port()), capture_output=True, text=True, timeout=600, cwd=out)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return _load(out, cases, (0,))
 

@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from bounded import run_bounded
+from runs import PY, ids, the, torchdoctor_run
 from torchdoctor.logs.wrap_numerics import OutputScan, nonfinite_finding, read_reports
 
 pytestmark = pytest.mark.machine  # real runs
 
-PY = sys.executable
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 BOOM = r"""
 import sys
@@ -52,29 +49,6 @@ print("step 1 loss 2.0")
 print("[rank1] Detected inf at step 3 (forward) in transformer.h.1.mlp", file=sys.stderr)
 sys.exit(1)
 """
-
-
-def torchdoctor_run(tmp_path: Path, *args: str, timeout: float = 120) -> tuple[int, dict | None, str, str]:
-    """(exit code, the --json report or None, stdout before it, stderr) of ``torchdoctor run ARGS``."""
-    env = {k: v for k, v in os.environ.items() if k != "TORCHDOCTOR_REPORT_DIR"}  # (a run around this one)
-    env.update(PYTHONPATH=SRC, NO_COLOR="1")
-    r = run_bounded([PY, "-m", "torchdoctor", "run", "--json", "-", *args], timeout=timeout, env=env,
-                    cwd=str(tmp_path), mem_bytes=4 << 30)
-    assert not r.timed_out
-    out = r.proc.stdout.decode("utf-8", "replace")
-    err = r.proc.stderr.decode("utf-8", "replace")
-    i = out.find("\n{\n") + 1 if "\n{\n" in out else (0 if out.startswith("{\n") else -1)
-    rep = json.loads(out[i:]) if i >= 0 else None
-    return r.proc.returncode, rep, out[:max(i, 0)], err
-
-
-def ids(rep: dict) -> list[str]:
-    return [f["id"] for f in rep["findings"]]
-
-
-def the(rep: dict, fid: str) -> dict:
-    [f] = [f for f in rep["findings"] if f["id"] == fid]
-    return f
 
 
 def test_a_monitored_inf_is_one_numerics_verdict_from_its_report(tmp_path):

@@ -282,7 +282,8 @@ class RunResult:
 
 
 def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
-                out_fd: int = 1, err_fd: int = 2, report_dir: str | None = None) -> RunResult:
+                out_fd: int = 1, err_fd: int = 2, report_dir: str | None = None,
+                env: dict[str, str] | None = None) -> RunResult:
     """Run ``argv``, pass its output through to ``out_fd``/``err_fd``, watch it, and say how it ended.
 
     Args:
@@ -292,6 +293,7 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         interval: seconds between memory samples.
         report_dir: where the numerics monitor's report files are looked for (besides the current directory);
             exported to the command as ``TORCHDOCTOR_REPORT_DIR``.
+        env: more variables for the command's environment (``run --numerics``'s bootstrap).
 
     Raises:
         WrapError: the command could not be started (exit_code 127: not found, 126: not executable).
@@ -314,7 +316,8 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         # hiwater and exec keeps the maximum), not at its current RSS: compare against the high-water mark
         own_rss = max(vm_rss(os.getpid()) or 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         started_at = time.time()  # for the kernel log: an OOM line dated before it is not about this command
-        proc = spawn(argv, {REPORT_DIR_VAR: os.path.abspath(report_dir)} if report_dir else None)
+        extra = {**(env or {}), **({REPORT_DIR_VAR: os.path.abspath(report_dir)} if report_dir else {})}
+        proc = spawn(argv, extra)
         start = time.monotonic()
         sigs.start = start
         sigs.attach(proc.pid)

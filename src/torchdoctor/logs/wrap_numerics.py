@@ -229,11 +229,12 @@ def nonfinite_finding(reports: list[Detection], lines: list[Detection], problems
     for d in located or dets:
         if d.rank not in firsts or d.step < firsts[d.rank].step:
             firsts[d.rank] = d
-    pool = sorted(firsts.values(), key=Detection.key)
+    # a report from a rank whose own values were finite names the rank(s) that were not: those went first (in the
+    # same step, the others only received their values through the gradient reduction)
+    named_bad = sorted({r for d in dets for r in d.bad_ranks})
+    pool = sorted(firsts.values(), key=lambda d: (d.step, bool(named_bad) and d.rank not in named_bad, *d.key()[1:]))
     first = pool[0]
     others = pool[1:]
-    # a report from a rank whose own values were finite names the rank(s) that were not
-    named_bad = sorted({r for d in dets for r in d.bad_ranks})
     who = f"rank {first.rank}: " if first.rank is not None else ""
     title = f"{who}the numerics monitor detected {_what(first)}"
     if others:

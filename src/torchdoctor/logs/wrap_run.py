@@ -18,6 +18,13 @@ files (``torchdoctor-nonfinite-rank*.json`` written during the run in ``--report
 by default a new ``./torchdoctor-reports/run-...`` folder per run -- exported to the command as
 ``TORCHDOCTOR_REPORT_DIR``, where a monitor given no ``report_dir`` writes; and in the current directory), else from its
 ``Detected ...`` output lines; its NonFiniteError traceback is folded into it (no ``process.exception``).
+Under several ranks the rank whose own values went bad first leads (a rank that only received them through the
+gradient reduction comes after it).
+
+``--numerics`` (or any of ``--grads``, ``--trace-steps``, ``--abort-after-step``) attaches that monitor with no
+code change in every Python process the command starts (:mod:`torchdoctor.autoattach`, switched on through the
+command's environment by :mod:`.wrap_switch`); the ``numerics.attached`` finding says what each process watched,
+``numerics.not-attached`` (info) that nothing was.
 
 How the command runs: in its own process group (SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to torchdoctor are
 forwarded to that whole group, so torchrun and its workers get one Ctrl-C; a third Ctrl-C sends SIGKILL), with
@@ -45,8 +52,11 @@ import time
 from ..runvars import REPORT_DIR_VAR
 
 EXIT_USAGE, EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND = 2, 126, 127
-USAGE = "torchdoctor run [--log FILE] [--json FILE] [--interval S] [--report-dir DIR] -- CMD [ARG ...]"
+USAGE = ("torchdoctor run [--log FILE] [--json FILE] [--interval S] [--report-dir DIR] [--numerics [--grads G] "
+         "[--trace-steps LIST] [--abort-after-step N]] -- CMD [ARG ...]")
 EXAMPLES = [
+    ("torchdoctor run --numerics -- torchrun --nproc_per_node 8 train.py",
+     "find the first module that goes inf/nan, no code change"),
     ("torchdoctor run -- python train.py", "run it; explain how it ended, on stderr"),
     ("torchdoctor run --log train.log -- torchrun --nproc_per_node 8 train.py", "keep the output too"),
     ("torchdoctor run --json report.json -- deepspeed train.py --deepspeed ds.json", "the report as JSON"),
@@ -78,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "finding (created if missing; exported to the command as TORCHDOCTOR_REPORT_DIR). "
                              "Default: a new folder per run, ./torchdoctor-reports/run-<date>-<time>-<pid>, made only "
                              "when there is a report to write")
+    from .wrap_switch import add_arguments as add_numerics_arguments
+
+    add_numerics_arguments(parser)
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD",
                         help="the command to run, after `--` (e.g. -- deepspeed train.py --deepspeed ds.json)")
 
@@ -91,6 +104,15 @@ def run_report_dir() -> str:
         return given
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return os.path.join(os.getcwd(), "torchdoctor-reports", f"run-{stamp}-{os.getpid()}")
+
+
+def _remove_empty(*dirs: str | None) -> None:
+    for d in dirs:
+        if d:
+            try:
+                os.rmdir(d)  # only when empty
+            except OSError:
+                return
 
 
 def _say(msg: str) -> None:
@@ -128,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_USAGE
     else:
         report_dir = run_report_dir()
+    default_dir = getattr(args, "report_dir", None) is None and not os.environ.get(REPORT_DIR_VAR)
+    existed = os.path.isdir(report_dir)
 
     log_file = json_file = None
     try:
@@ -143,11 +167,20 @@ def run(args: argparse.Namespace) -> int:
             except OSError as e:
                 _say(f"cannot write --json {json_path}: {e.strerror or e}")
                 return EXIT_USAGE
+        from . import wrap_switch
+
+        numerics = wrap_switch.options(args, report_dir)
+        started = time.time()
         try:
-            result = run_command(cmd, log_file=log_file, interval=interval, report_dir=report_dir)
+            env = wrap_switch.environment(numerics) if numerics is not None else None
+            result = run_command(cmd, log_file=log_file, interval=interval, report_dir=report_dir, env=env)
         except WrapError as e:
             _say(str(e))
             return e.exit_code
+        if numerics is not None:
+            result.findings.append(wrap_switch.attach_finding(report_dir, started))
+            if not existed:  # a folder that only held the markers goes again (made only for a report)
+                _remove_empty(report_dir, os.path.dirname(report_dir) if default_dir else None)
 
         shown = [f for f in result.findings if f.severity != "skip"]
         print(f"\n--- torchdoctor run: {cmdline(cmd)} ---", file=sys.stderr)

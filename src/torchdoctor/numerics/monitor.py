@@ -88,10 +88,29 @@ from .windows import window_reduce_works
 
 log = logging.getLogger("torchdoctor.numerics")
 
-__all__ = ["NumericsMonitor", "OverflowEvent"]
+__all__ = ["NumericsMonitor", "OverflowEvent", "mark"]
 
 # Every monitored module, whichever monitor watches it: attaching twice would double every hook.
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, NumericsMonitor] = weakref.WeakKeyDictionary()
+
+
+def monitor_of(model: nn.Module) -> NumericsMonitor | None:
+    """The live monitor that watches ``model`` or one of its modules, if any."""
+    for module in model.modules():
+        found = _WATCHED.get(module)
+        if found is not None and not found._closed:
+            return found
+    return None
+
+
+def mark(tensor: torch.Tensor, label: str) -> None:
+    """``torchdoctor.mark(x, "after attention")``: ``mon.mark`` for whichever monitor watches the model now running
+    (the one whose forward is in flight; outside a forward, every live one), so it works however the monitor was
+    attached -- the library, a Trainer callback, ``torchdoctor run --numerics`` -- and does nothing without one."""
+    live = list({id(m): m for m in list(_WATCHED.values()) if not m._closed}.values())
+    running = [m for m in live if m._root_depth > 0]
+    for monitor in running or live:
+        monitor.mark(tensor, label)
 
 
 def _dist_rank_world() -> tuple[int | None, int]:
@@ -292,7 +311,13 @@ class NumericsMonitor(Recording, Stepping, Judging):
     def _replaceable_by(self, new: NumericsMonitor) -> bool:
         """A detector made again on the same model (``Trainer.train()`` twice) replaces the previous one;
         so does any monitor once this one has reported. Two live monitors are refused."""
-        return (self._hf and new._hf) or self.report is not None
+        return (self._hf and new._hf) or self.report is not None or self._via == "switch"
+
+    def _joined_mid_step(self) -> None:
+        """Attached from inside the first ``optimizer.step()`` (``torchdoctor run --numerics``): that step's forward
+        ran before the monitor existed, so it has no frames to expect; its gradients are still checked before its
+        update is applied."""
+        self._warned_unseen = True
 
     def add_handle(self, handle: Any) -> None:
         """Keep a hook handle; close() removes it."""

@@ -1,0 +1,112 @@
+"""``torchdoctor run --numerics``: the numerics monitor in every Python process of the command, no code change.
+
+The options (``--grads``, ``--trace-steps``, ``--abort-after-step``; any of them turns ``--numerics`` on) go to
+the command's environment with the bootstrap (:mod:`torchdoctor.autoattach`), which each Python process loads at
+start-up and which attaches the monitor to what that process trains. After the run, what was attached is read
+back from the markers each process left in the report folder: a run where no Python process loaded the bootstrap
+(the command runs no Python, or resets ``PYTHONPATH``), or where one did but found nothing to watch, gets a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from ..findings import Finding
+
+GRAD_LEVELS = ("none", "params", "modules")  # as the monitor's grads= (numerics.options, which imports torch)
+
+
+def steps_list(text: str) -> list[int]:
+    """``--trace-steps 1,3``: step numbers (from 0), comma-separated."""
+    try:
+        steps = [int(s) for s in text.replace(" ", "").split(",") if s]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected step numbers like 1,3, got {text!r}") from None
+    if not steps or any(s < 0 for s in steps):
+        raise argparse.ArgumentTypeError(f"expected step numbers >= 0 like 1,3, got {text!r}")
+    return steps
+
+
+def step_number(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a step number (from 0), got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a step number >= 0, got {text!r}")
+    return n
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "numerics (no code change)",
+        "attach torchdoctor's numerics monitor in every Python process the command starts: to the HF Trainer, "
+        "Lightning's Trainer, the engine deepspeed.initialize returns, or the model a plain loop's optimizer "
+        "trains. The first inf/nan stops the run before its update, with the numerics.nonfinite finding.")
+    group.add_argument("--numerics", action="store_true", help="attach the monitor")
+    group.add_argument("--grads", choices=GRAD_LEVELS, default=None,
+                       help="gradient checks: params (default: each parameter gradient once per step), modules "
+                            "(also each module's output gradient: names the module whose backward broke), none")
+    group.add_argument("--trace-steps", metavar="LIST", type=steps_list, default=None,
+                       help="print every frame of these steps (from 0), e.g. 1,3")
+    group.add_argument("--abort-after-step", metavar="N", type=step_number, default=None,
+                       help="stop the run once step N (from 0) has finished")
+
+
+def options(args: argparse.Namespace, report_dir: str) -> dict[str, Any] | None:
+    """The monitor's options for the command's processes, or None without ``--numerics`` (or an option of it)."""
+    given = {"grads": getattr(args, "grads", None), "trace_steps": getattr(args, "trace_steps", None),
+             "abort_after_step": getattr(args, "abort_after_step", None)}
+    if not getattr(args, "numerics", False) and all(v is None for v in given.values()):
+        return None
+    out = {k: v for k, v in given.items() if v is not None}
+    out["report_dir"] = os.path.abspath(report_dir)
+    return out
+
+
+def environment(opts: dict[str, Any]) -> dict[str, str]:
+    """The variables that make the command's Python processes load the bootstrap with ``opts``."""
+    from ..autoattach import child_environment
+
+    env = child_environment(opts, os.environ)
+    return {k: v for k, v in env.items() if os.environ.get(k) != v}
+
+
+def attach_finding(report_dir: str, since: float) -> Finding:
+    """What ``--numerics`` attached to in this run, from the markers of its processes (removed once read)."""
+    from ..autoattach import markers
+
+    loaded = markers.read(report_dir, "loaded", since)
+    attached = markers.read(report_dir, "attached", since)
+    markers.remove(report_dir, since)
+    if not loaded:
+        return Finding(
+            "numerics.not-attached", "info",
+            "--numerics: no Python process of the command loaded torchdoctor, so nothing was watched",
+            evidence=[f"no start-up marker in {report_dir}"],
+            fix=["the command runs no Python, or it resets PYTHONPATH before starting Python (the bootstrap is "
+                 "on PYTHONPATH): attach the monitor in the script instead (torchdoctor.NumericsMonitor, or "
+                 "NumericsCallback for the HF / Lightning Trainer)"],
+            data={"loaded": 0, "attached": []})
+    if not attached:
+        return Finding(
+            "numerics.not-attached", "info",
+            f"--numerics: {len(loaded)} Python process(es) started, none stepped an optimizer the monitor could "
+            "watch",
+            evidence=[f"{len(loaded)} start-up marker(s) in {report_dir}, no attach marker"],
+            fix=["the run ended before its first optimizer step, or trains without a torch optimizer: attach the "
+                 "monitor in the script (torchdoctor.NumericsMonitor(model), with mon.step() per step)"],
+            data={"loaded": len(loaded), "attached": []})
+    lines = [f"{_rank(a)}{a.get('watching')}" + (" (the script's own monitor)" if a.get("own") else "")
+             for a in attached]
+    return Finding(
+        "numerics.attached", "ok",
+        f"--numerics watched {len(attached)} process(es): {lines[0]}" + (" ..." if len(lines) > 1 else ""),
+        evidence=lines if len(lines) > 1 else [], fix=[], data={"loaded": len(loaded), "attached": attached})
+
+
+def _rank(marker: dict[str, Any]) -> str:
+    rank = marker.get("rank")
+    return f"rank {rank}: " if rank is not None else ""
