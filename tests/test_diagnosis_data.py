@@ -59,7 +59,7 @@ def assert_the_data(report, name: str, micro_batch: int) -> None:
     assert report.cause == causes.BAD_INPUT, report.diagnosis
     assert report.diagnosis.startswith(f"{name} (") and f"micro-batch {micro_batch}," in report.diagnosis
     assert "check the data" in report.diagnosis and "the model did not make it" in report.diagnosis
-    assert "data loader" in report.fix and "mon.mark(" in report.fix and "torch.isfinite(" in report.fix
+    assert "data loader" in report.fix and "torchdoctor.mark(" in report.fix and "torch.isfinite(" in report.fix
     assert "plain code" not in report.diagnosis
     assert contradictions(report) == []
     text = report.text()
@@ -73,7 +73,7 @@ def test_a_nan_positional_input_in_any_micro_batch_is_the_data(tmp_path, bad):
     report = accumulate(tmp_path, mlp(), xs, lambda m, x: m(x).pow(2).mean())
     assert_the_data(report, "positional input 0", bad)
     assert report.first.module == "0" and report.first.slot == "output"
-    assert "mon.mark(x, 'input 0')" in report.fix
+    assert "torchdoctor.mark(x, 'input 0')" in report.fix
     # the model's own frame, which says what it was given, ends after the first bad one: it is cited
     assert [f.cls for f in report.cited] == ["Sequential"] and report.cited[0].lines[0].label == "input[0]"
 
@@ -181,5 +181,5 @@ def test_a_nan_made_by_plain_code_from_finite_inputs_is_between_modules_with_a_f
     assert report.cause == causes.BETWEEN_MODULES, report.diagnosis
     inside = "1 (Halves)" if nested else "Halves (the model)"
     assert f"in the forward of {inside}" in report.diagnosis and "every input the model was given" in report.diagnosis
-    assert report.fix is not None and "mon.mark(" in report.fix and inside in report.fix
+    assert report.fix is not None and "torchdoctor.mark(" in report.fix and inside in report.fix
     assert contradictions(report) == []

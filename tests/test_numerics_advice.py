@@ -169,7 +169,7 @@ def test_a_bad_value_given_to_the_loss_function_is_named_with_the_loss(tmp_path,
     assert "your loss function made" not in report.diagnosis + report.fix
     assert "a value the loss is given besides the model's outputs (the targets / labels, a mask" in report.diagnosis
     assert "targets / labels you pass to it, masks" in report.fix and "log/div/sqrt" in report.fix
-    assert "mon.mark(targets, 'targets')" in report.fix and "keep_fp32" not in report.fix
+    assert "torchdoctor.mark(targets, 'targets')" in report.fix and "keep_fp32" not in report.fix
     holds(report)
 
 

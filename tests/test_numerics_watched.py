@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import torchdoctor
 from torchdoctor import NonFiniteError, NumericsMonitor
 from torchdoctor.numerics.diagnosis import Setup
 from torchdoctor.numerics.watched import describe, human_count
@@ -82,3 +83,28 @@ def test_wrappers_are_named_outermost_first(tmp_path):
 def test_human_counts():
     assert [human_count(n) for n in (7, 25_000, 1_000_000, 124_439_808, 6_738_415_616)] == [
         "7", "25K", "1.0M", "124M", "6.7B"]
+
+
+class _Marked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        h = self.fc(x) * 1e39  # plain code between modules: inf from a finite fc output
+        torchdoctor.mark(h, "scaled")
+        return h.sum()
+
+
+def test_torchdoctor_mark_reaches_the_monitor_of_the_running_model(tmp_path):
+    torchdoctor.mark(torch.ones(1), "no monitor: nothing happens")
+    model = _Marked()
+    other = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with NumericsMonitor(other, report_dir=tmp_path / "other") as bystander, \
+            NumericsMonitor(model, opt, report_dir=tmp_path, _via="switch"):
+        with pytest.raises(NonFiniteError) as e:
+            model(torch.ones(1, 2)).backward()
+            opt.step()
+        assert bystander.report is None
+    assert (e.value.first.phase, e.value.first.module) == ("mark", "scaled")

@@ -19,12 +19,17 @@ _LAZY = {
     "AbortAfterStep": "torchdoctor.numerics.errors",
     "detect_overflow": "torchdoctor.numerics.overflow",
     "keep_fp32": "torchdoctor.numerics.fp32",
+    "mark": "torchdoctor.numerics.monitor",
+    "NumericsCallback": "torchdoctor.integrations.hf",  # needs transformers
+    "LightningNumericsCallback": "torchdoctor.integrations.lightning",  # needs lightning (or pytorch_lightning)
 }
 
 if TYPE_CHECKING:
+    from .integrations.hf import NumericsCallback
+    from .integrations.lightning import LightningNumericsCallback
     from .numerics.errors import AbortAfterStep, NonFiniteError, NonFiniteWarning
     from .numerics.fp32 import keep_fp32
-    from .numerics.monitor import NumericsMonitor
+    from .numerics.monitor import NumericsMonitor, mark
     from .numerics.overflow import detect_overflow
 
 
@@ -44,5 +49,5 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY, *_SUBMODULES})
 
 
-__all__ = ["AbortAfterStep", "NonFiniteError", "NonFiniteWarning", "NumericsMonitor", "__version__", "detect_overflow",
-           "keep_fp32"]
+__all__ = ["AbortAfterStep", "LightningNumericsCallback", "NonFiniteError", "NonFiniteWarning", "NumericsCallback",
+           "NumericsMonitor", "__version__", "detect_overflow", "keep_fp32", "mark"]

@@ -23,15 +23,15 @@ its own logs.
 
 from __future__ import annotations
 
-import inspect
 import os
 from typing import Any
 
 from transformers import TrainerCallback
 
 from ..numerics.monitor import NumericsMonitor
-from ..numerics.options import check_options
+from ..numerics.watched import describe, outermost_wrapper
 from ..runvars import REPORT_DIR_VAR
+from .callbacks import callback_options
 
 
 class NumericsCallback(TrainerCallback):
@@ -43,17 +43,7 @@ class NumericsCallback(TrainerCallback):
     """
 
     def __init__(self, **monitor_kwargs: Any) -> None:
-        for reserved in ("model", "optimizer", "scaler"):
-            if reserved in monitor_kwargs:
-                raise TypeError(f"NumericsCallback takes {reserved!r} from the Trainer; do not pass it")
-        try:  # refuse unknown or bad options now, not inside trainer.train()
-            inspect.signature(NumericsMonitor).bind(None, **monitor_kwargs)
-        except TypeError as e:
-            raise TypeError(f"NumericsCallback: {e}") from None
-        traced = check_options(**monitor_kwargs)
-        if "trace_steps" in monitor_kwargs:  # a generator would be used up by the check
-            monitor_kwargs["trace_steps"] = sorted(traced)
-        self.monitor_kwargs = monitor_kwargs
+        self.monitor_kwargs = callback_options(monitor_kwargs)
         self.monitor: NumericsMonitor | None = None
         # warnings the run survived (an inf loss with finite gradients), kept after train() closed the monitor
         self.warnings: list = []
@@ -66,6 +56,8 @@ class NumericsCallback(TrainerCallback):
         kwargs_ = {"report_dir": os.environ.get(REPORT_DIR_VAR) or args.output_dir, "_via": "hf", **self.monitor_kwargs}
         # the monitor looks through accelerate's AcceleratedOptimizer; its GradScaler sits on the wrapper
         self.monitor = NumericsMonitor(model, optimizer=optimizer, scaler=getattr(optimizer, "scaler", None), **kwargs_)
+        # what it runs inside (accelerate's DDP where FSDP was asked for, Lightning's strategy): said in the report
+        self.monitor.watching = describe(outermost_wrapper(model), self.monitor.optimizer, self.monitor.grads)
         self.monitor.warnings = self.warnings  # one list for the whole of train(), readable once it returned
 
     def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001

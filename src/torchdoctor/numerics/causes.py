@@ -68,7 +68,7 @@ LOSS_CHECKS = (
 LOSS_INPUTS = (
     "the other values the loss is given: the targets / labels you pass to it, masks, weights (a nan target makes a "
     "nan loss and nan gradients from finite model outputs; assert torch.isfinite(targets).all() where batches are "
-    "made, or mon.mark(targets, 'targets') before the loss so that the monitor checks them)"
+    "made, or torchdoctor.mark(targets, 'targets') before the loss so that the monitor checks them)"
 )
 LOSS_FIX = (
     "the model's outputs are finite, so the nan/inf comes from the loss: check " + LOSS_INPUTS + ", then the "

@@ -193,7 +193,8 @@ def _data(frames: list[ResolvedFrame], index: int, got: ModelInput, consumer_lin
     fix = (
         f"find the bad records in the data loader: assert torch.isfinite({tensor}).all() where batches are made "
         "(missing values read as nan, a division by a zero std in normalisation, a corrupt record), or "
-        f"mon.mark({tensor}, {tag!r}) just before the model is called, so that the monitor checks every batch there"
+        f"torchdoctor.mark({tensor}, {tag!r}) just before the model is called, so that the monitor checks every batch "
+        "there"
     )
     evidence = (Evidence.of(got.frame, line),)
     if got.frame is not frame:
@@ -215,7 +216,7 @@ def _between_modules(frames: list[ResolvedFrame], index: int, bad: Line) -> Diag
         f"module produced, while {given}: plain code between modules (in the forward of {inside}, before it calls "
         f"{frame.name or 'the model'}) computed it."
     )
-    fix = (f"put mon.mark(tensor, 'label') after the suspect lines of the forward of {inside} before it calls "
+    fix = (f"put torchdoctor.mark(tensor, 'label') after the suspect lines of the forward of {inside} before it calls "
            f"{frame.name or 'the model'}: the first marked value that is {kind} is the line that made it")
     return Diagnosis(causes.BETWEEN_MODULES, text, fix=fix, evidence=(Evidence.of(frame, bad),))
 

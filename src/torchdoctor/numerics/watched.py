@@ -21,6 +21,8 @@ _SHORT = {
     "DeepSpeedEngine": "DeepSpeed",
     "PipelineEngine": "DeepSpeed pipeline",
     "_FabricModule": "Fabric",
+    "_LightningModuleWrapperBase": None,  # (Lightning's own, around every LightningModule: not worth naming)
+    "_LightningPrecisionModuleWrapperBase": None,
 }
 
 
@@ -30,7 +32,9 @@ def wrappers_of(model: nn.Module) -> list[str]:
     while is_wrapper(model):
         name = type(model).__name__
         out.append(_SHORT.get(name, name))
-        if name == "DeepSpeedEngine":
+        if out[-1] is None:
+            out.pop()
+        elif name == "DeepSpeedEngine":
             stage = _zero_stage(model)
             if stage is not None:
                 out[-1] = f"DeepSpeed ZeRO-{stage}"
@@ -62,6 +66,24 @@ def human_count(n: int) -> str:
     if n >= 10**3:
         return f"{n / 1e3:.0f}K"
     return str(n)
+
+
+def outermost_wrapper(model: nn.Module) -> nn.Module:
+    """The outermost wrapper alive in the process around ``model`` (DDP, FSDP1, torch.compile, DeepSpeed, Lightning's
+    strategy wrappers), else ``model``: what a Trainer's callback, given the bare model, runs inside. One ``gc``
+    scan: for a callback's start, not for every monitor."""
+    import gc
+
+    best, best_depth = model, 0
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), nn.Module) or not is_wrapper(obj):
+            continue
+        depth, inner = 0, obj
+        while inner is not model and is_wrapper(inner):
+            inner, depth = _inner(inner), depth + 1
+        if inner is model and depth > best_depth:
+            best, best_depth = obj, depth
+    return best
 
 
 def describe(model: nn.Module, optimizer: Any, grads: str) -> str:

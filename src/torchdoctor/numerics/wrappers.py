@@ -4,8 +4,10 @@ Reports speak the user's names (``blocks.0.fc1``) and classes (``Block``), whate
 modules at run time: DDP / DataParallel / FSDP1 / a DeepSpeed engine around the root,
 ``torch.compile``'s ``OptimizedModule`` (``_orig_mod``), FSDP1's per-unit wrappers
 (``_fsdp_wrapped_module``), activation-checkpoint wrappers (``_checkpoint_wrapped_module``), and the
-``FSDP<Class>`` classes FSDP2 swaps in. The same names must resolve wherever a user passes one back
-(``keep_fp32(model, "encoder.block.2")`` on a DDP model), so this module is shared.
+``FSDP<Class>`` classes FSDP2 swaps in, and Lightning's: Fabric's ``_FabricModule`` and the Trainer's
+strategy wrappers (``_LightningModuleWrapperBase``), which keep the module as ``_forward_module``. The same
+names must resolve wherever a user passes one back (``keep_fp32(model, "encoder.block.2")`` on a DDP model),
+so this module is shared.
 """
 
 from __future__ import annotations
@@ -15,25 +17,32 @@ from collections.abc import Iterator
 from torch import nn
 
 # attribute names under which a wrapper keeps the module it wraps; they never appear in a user's name
-WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "_forward_module"})
 
 # wrappers whose forward only calls the module they wrap (by class name: no import of what is absent)
 _TRANSPARENT = frozenset({
     "DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "CheckpointWrapper", "OffloadWrapper",
     "OptimizedModule", "DeepSpeedEngine", "PipelineEngine",
+    # Lightning (lightning.fabric / lightning.pytorch, or the standalone lightning_fabric / pytorch_lightning)
+    "_FabricModule", "_LightningModuleWrapperBase", "_LightningPrecisionModuleWrapperBase",
 })
+
+# the packages whose wrappers those class names are (a user's class of the same name is not looked through)
+_WRAPPER_PACKAGES = ("torch.", "deepspeed.", "lightning.", "lightning_fabric.", "pytorch_lightning.")
 
 
 def is_wrapper(module: nn.Module) -> bool:
-    """A torch / DeepSpeed wrapper whose forward only calls the module it wraps."""
+    """A torch / DeepSpeed / Lightning wrapper whose forward only calls the module it wraps."""
     cls = type(module)
-    if cls.__name__ not in _TRANSPARENT or not cls.__module__.startswith(("torch.", "deepspeed.")):
+    if cls.__name__ not in _TRANSPARENT or not cls.__module__.startswith(_WRAPPER_PACKAGES):
         return False
     return isinstance(_inner(module), nn.Module)
 
 
 def _inner(module: nn.Module) -> nn.Module | None:
-    for attr in ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "module"):
+    # Lightning's wrappers: _forward_module is what forward calls (DDP around the module, or the module itself);
+    # _FabricModule also registers _original_module when the two differ -- it sits inside _forward_module
+    for attr in ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module", "module"):
         inner = module.__dict__.get("_modules", {}).get(attr)
         if isinstance(inner, nn.Module):
             return inner
