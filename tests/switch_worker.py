@@ -256,6 +256,7 @@ def main() -> None:
     p.add_argument("--closure", action="store_true")
     p.add_argument("--own-monitor", action="store_true")
     p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--local_rank", type=int, default=None)  # (the deepspeed launcher passes it)
     args = p.parse_args()
     torch.set_num_threads(1)
     {"plain": plain, "hf": hf, "lightning": lightning, "fabric": fabric, "deepspeed": deepspeed_engine}[args.kind](args)

@@ -1,9 +1,10 @@
 """``torchdoctor run --numerics``: the monitor attached in every Python process of a command, no code change.
 
 Real runs of scripts that know nothing of torchdoctor (tests/switch_worker.py): a plain loop in fp16 autocast,
-the same under torchrun with 2 ranks, the HF Trainer, Lightning (1 and 2 ranks), Fabric, ``deepspeed.initialize``,
-``step(closure)`` with AdamW and LBFGS; a script with its own monitor, a healthy one, a command with no Python.
-Each is bounded (tests/runs.py); the scripts write what each rank saw (tests/switch_worker.py's ``Result``).
+the same under torchrun with 2 ranks, the HF Trainer, Lightning (1 and 2 ranks), Fabric, ``deepspeed.initialize``
+under the ``deepspeed`` launcher, ``step(closure)`` with AdamW and LBFGS; a script with its own monitor, a healthy
+one, a command with no Python. Each is bounded (tests/runs.py); the scripts write what each rank saw
+(tests/switch_worker.py's ``Result``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from conftest import ds_single_env, free_port
+from conftest import free_port
 from runs import PY, SRC, ids, the, torchdoctor_run
 from torchdoctor.autoattach import BOOT_DIR, OPTIONS_VAR
 from torchdoctor.autoattach.plain import pick_model
@@ -123,14 +124,14 @@ def test_a_fabric_loop_is_looked_through(tmp_path):
     assert "watching Net (161 params) with SGD, Fabric, grads=params" in err
 
 
-def test_the_engine_deepspeed_initialize_returns(tmp_path, deepspeed_built):
-    env = {k: v for k, v in ds_single_env(free_port()).items() if k in (
-        "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "DS_ACCELERATOR")}
-    rc, rep, err, got = switched(tmp_path, "deepspeed", "--bad-step", "2", **env)
+def test_the_engine_deepspeed_initialize_returns_under_the_deepspeed_launcher(tmp_path, deepspeed_built):
+    launcher = (PY, "-m", "deepspeed.launcher.runner", "--num_accelerators", "1", "--master_port", str(free_port()))
+    rc, rep, err, got = switched(tmp_path, "deepspeed", "--bad-step", "2", launcher=launcher, DS_ACCELERATOR="cpu")
     assert rc == 1
     assert_stopped_before_update(rep, got, step=2, module="fc1")
     [marker] = attached(rep)["data"]["attached"]
     assert marker["via"] == "deepspeed" and "DeepSpeed ZeRO-1" in marker["watching"]
+    assert marker["rank"] == 0  # the launcher's RANK
 
 
 def test_a_script_with_its_own_monitor_is_left_to_it(tmp_path):
