@@ -229,3 +229,18 @@ def test_the_model_is_the_outermost_module_holding_the_optimizers_parameters():
     assert pick_model(ids_, [both, student, teacher]) is student
     pair = Wrapper(nn.ModuleList([student, nn.Linear(9, 9)]))  # also holds trainable weights nobody steps
     assert pick_model(ids_, [pair, wrapped]) is wrapped
+
+
+def test_the_switch_written_by_hand_takes_the_defaults(tmp_path):
+    reports = tmp_path / "shared-reports"
+    env = {k: v for k, v in os.environ.items() if k not in (OPTIONS_VAR, "PYTHONPATH", "TORCHDOCTOR_REPORT_DIR")}
+    env.update(PYTHONPATH=os.pathsep.join([BOOT_DIR, SRC]), OMP_NUM_THREADS="1", TORCHDOCTOR_REPORT_DIR=str(reports),
+               **{OPTIONS_VAR: "1"})
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run([PY, WORKER, "plain", str(out), "--bad-step", "2"], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1 and "NonFiniteError" in proc.stderr
+    assert "[torchdoctor] watching Net (161 params) with SGD, grads=params" in proc.stderr
+    assert json.loads((reports / "torchdoctor-nonfinite-rank0.json").read_text())["step"] == 2
+    assert results(out)[0]["identical"]

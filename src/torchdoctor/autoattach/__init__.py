@@ -24,7 +24,8 @@ from . import markers
 #: the folder holding the bootstrap ``sitecustomize.py`` (and nothing else importable)
 BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot")
 #: the monitor's options for the processes of the command, as JSON (``report_dir``, ``grads``, ``trace_steps``,
-#: ``abort_after_step``), with ``path``: where the ``torchdoctor`` package can be imported from
+#: ``abort_after_step``), with ``path``: where the ``torchdoctor`` package can be imported from; or ``1``: the
+#: defaults, reports in ``$TORCHDOCTOR_REPORT_DIR`` (else the working directory) -- a value one can write by hand
 OPTIONS_VAR = "TORCHDOCTOR_NUMERICS"
 
 __all__ = ["BOOT_DIR", "OPTIONS_VAR", "child_environment", "markers"]

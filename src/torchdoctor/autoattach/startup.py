@@ -10,10 +10,12 @@ to it, with one note. The switch's monitors give way to one the script attaches 
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from ..runvars import REPORT_DIR_VAR
 from . import markers, trainers
 from .imports import when_imported
 
@@ -34,7 +36,8 @@ class Switch:
 
     def __init__(self, options: dict[str, Any]) -> None:
         self.monitor_kwargs = {k: options[k] for k in OPTION_NAMES if options.get(k) is not None}
-        self.report_dir = str(options.get("report_dir") or ".")
+        self.report_dir = str(options.get("report_dir") or os.environ.get(REPORT_DIR_VAR) or os.getcwd())
+        self.monitor_kwargs["report_dir"] = self.report_dir
         self.driven_by_trainer = False  # a Trainer got the callback: it watches the engines it makes
         self.monitors: list[Any] = []
         self._said: set[str] = set()

@@ -1,9 +1,10 @@
 """torchdoctor's start-up hook for ``torchdoctor run --numerics``: on ``PYTHONPATH`` only while such a run goes on.
 
-With ``TORCHDOCTOR_NUMERICS`` set, it installs ``torchdoctor.autoattach.startup`` (import hooks, nothing heavy);
-either way it then runs the ``sitecustomize`` it hides on ``sys.path`` (a distribution's, a virtual
-environment's, the user's), whose errors Python reports as it would have. Nothing of torchdoctor's own ever stops
-the process: it says so in one line and the program runs without the monitor.
+With ``TORCHDOCTOR_NUMERICS`` set (to ``run``'s JSON options, or to ``1`` for the defaults), it installs
+``torchdoctor.autoattach.startup`` (import hooks, nothing heavy); either way it then runs the ``sitecustomize`` it
+hides on ``sys.path`` (a distribution's, a virtual environment's, the user's), whose errors Python reports as it
+would have. Nothing of torchdoctor's own ever stops the process: it says so in one line and the program runs
+without the monitor.
 """
 
 import os as _os
@@ -11,14 +12,14 @@ import sys as _sys
 
 
 def _torchdoctor_start() -> None:
-    raw = _os.environ.get("TORCHDOCTOR_NUMERICS")
-    if not raw:
+    raw = _os.environ.get("TORCHDOCTOR_NUMERICS", "").strip()
+    if raw in ("", "0"):
         return
     try:
         import importlib.util
         import json
 
-        options = json.loads(raw)
+        options = json.loads(raw) if raw.startswith("{") else {}  # "1": the defaults (a hand-written switch)
         if importlib.util.find_spec("torchdoctor") is None and options.get("path"):
             _sys.path.append(options["path"])  # the torchdoctor that started the run
         from torchdoctor.autoattach import startup
