@@ -184,7 +184,7 @@ def test_the_bootstrap_off_imports_nothing_and_runs_the_sitecustomize_it_hides(t
     off = _python(tmp_path, code, PYTHONPATH=path)
     assert off.returncode == 0, off.stderr
     assert off.stdout.split() == ["[]", "1"]
-    opts = json.dumps({"report_dir": str(tmp_path / "reports"), "path": str(Path(SRC))})
+    opts = json.dumps({"report_dir": str(tmp_path / "reports"), "path": str(Path(SRC)), "markers": True})
     on = _python(tmp_path, code, PYTHONPATH=path, **{OPTIONS_VAR: opts})
     assert on.returncode == 0, on.stderr
     assert "'torchdoctor.autoattach.startup'" in on.stdout and "'torch'" not in on.stdout  # hooks only
@@ -244,3 +244,4 @@ def test_the_switch_written_by_hand_takes_the_defaults(tmp_path):
     assert "[torchdoctor] watching Net (161 params) with SGD, grads=params" in proc.stderr
     assert json.loads((reports / "torchdoctor-nonfinite-rank0.json").read_text())["step"] == 2
     assert results(out)[0]["identical"]
+    assert not list(reports.glob("torchdoctor-loaded-*")) and not list(reports.glob("torchdoctor-attached-*"))

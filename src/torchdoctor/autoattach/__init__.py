@@ -38,5 +38,6 @@ def child_environment(options: Mapping[str, Any], env: Mapping[str, str]) -> dic
     parts = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != BOOT_DIR]
     out["PYTHONPATH"] = os.pathsep.join([BOOT_DIR, *parts])
     package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out[OPTIONS_VAR] = json.dumps({**options, "path": package_parent}, sort_keys=True)
+    # markers: `run` reads them back (and removes them); a switch written by hand leaves none
+    out[OPTIONS_VAR] = json.dumps({**options, "path": package_parent, "markers": True}, sort_keys=True)
     return out

@@ -1,11 +1,12 @@
 """What the bootstrap installs in a process of a ``run --numerics`` command: import hooks only, until the program
 imports torch's optimizers or a trainer (nothing of torch is imported here).
 
-Per process it writes a ``loaded`` marker, then attaches one monitor per model trained: through the trainer's
-callback (:mod:`.trainers`), the DeepSpeed engine, or the first stepped optimizer (:mod:`.plain`). What it attached
-to is said once on stderr (``[torchdoctor][rank1] watching GPT2LMHeadModel (124M params) with AdamW, DDP,
-grads=params``) and written as an ``attached`` marker; a model the script's own monitor already watches is left
-to it, with one note. The switch's monitors give way to one the script attaches later (no hooks are doubled).
+Per process it writes a ``loaded`` marker (when ``run`` will read it back), then attaches one monitor per model
+trained: through the trainer's callback (:mod:`.trainers`), the DeepSpeed engine, or the first stepped optimizer
+(:mod:`.plain`). What it attached to is said once on stderr (``[torchdoctor][rank1] watching GPT2LMHeadModel (124M
+params) with AdamW, DDP, grads=params``) and written as an ``attached`` marker; a model the script's own monitor
+already watches is left to it, with one note. The switch's monitors give way to one the script attaches later (no
+hooks are doubled).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Switch:
         self.monitor_kwargs = {k: options[k] for k in OPTION_NAMES if options.get(k) is not None}
         self.report_dir = str(options.get("report_dir") or os.environ.get(REPORT_DIR_VAR) or os.getcwd())
         self.monitor_kwargs["report_dir"] = self.report_dir
+        self.markers = bool(options.get("markers"))  # `run` will read them
         self.driven_by_trainer = False  # a Trainer got the callback: it watches the engines it makes
         self.monitors: list[Any] = []
         self._said: set[str] = set()
@@ -53,6 +55,8 @@ class Switch:
             _line(f"{self._tag()} {text}")
 
     def _mark(self, monitor: Any, data: dict[str, Any]) -> None:
+        if not self.markers:
+            return
         if monitor.rank is not None:  # (a Lightning rank has no RANK variable: torch.distributed's)
             data["rank"] = monitor.rank
         try:
@@ -111,7 +115,8 @@ def install(options: dict[str, Any]) -> Switch:
     """Install the switch in this process (the bootstrap calls it at start-up)."""
     switch = Switch(options)
     try:
-        markers.write(switch.report_dir, "loaded", {"argv": list(getattr(sys, "orig_argv", sys.argv))})
+        if switch.markers:
+            markers.write(switch.report_dir, "loaded", {"argv": list(getattr(sys, "orig_argv", sys.argv))})
     except OSError as e:
         switch.warn(f"cannot write to the report folder {switch.report_dir}: {e}")
 
