@@ -1,10 +1,10 @@
 """``torchdoctor run --numerics``: the monitor attached in every Python process of a command, no code change.
 
 Real runs of scripts that know nothing of torchdoctor (tests/switch_worker.py): a plain loop in fp16 autocast,
-the same under torchrun with 2 ranks, the HF Trainer, Lightning (1 and 2 ranks), Fabric, ``deepspeed.initialize``
-under the ``deepspeed`` launcher, ``step(closure)`` with AdamW and LBFGS; a script with its own monitor, a healthy
-one, a command with no Python. Each is bounded (tests/runs.py); the scripts write what each rank saw
-(tests/switch_worker.py's ``Result``).
+the same under torchrun with 2 ranks and under ``accelerate launch``, the HF Trainer, Lightning (1 and 2 ranks),
+Fabric, ``deepspeed.initialize`` under the ``deepspeed`` launcher, ``step(closure)`` with AdamW and LBFGS; a script
+with its own monitor, a healthy one, a command with no Python. Each is bounded (tests/runs.py); the scripts write
+what each rank saw (tests/switch_worker.py's ``Result``).
 """
 
 from __future__ import annotations
@@ -84,6 +84,16 @@ def test_torchrun_two_ranks_names_the_rank_that_went_first(tmp_path):
     for r in (0, 1):
         assert f"[torchdoctor][rank{r}] watching Net (161 params) with SGD, DDP, grads=params" in err
     assert sorted(m["rank"] for m in attached(rep)["data"]["attached"]) == [0, 1]
+
+
+def test_accelerate_launch(tmp_path):
+    pytest.importorskip("accelerate")
+    launcher = (PY, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+                "--mixed_precision", "no", "--dynamo_backend", "no")
+    rc, rep, err, got = switched(tmp_path, "plain", "--bad-step", "2", launcher=launcher)
+    assert rc != 0
+    assert_stopped_before_update(rep, got, step=2, module="fc1")
+    assert "[torchdoctor] watching Net (161 params) with SGD, grads=params" in err
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "lbfgs"])
