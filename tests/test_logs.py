@@ -168,6 +168,20 @@ def test_nan_loss_that_recovers_is_a_warning():
     assert f.severity == "warn" and f.data["recovered"] is True
 
 
+@pytest.mark.parametrize("quote", ["'", '"'])
+def test_the_trainers_end_summary_is_not_a_later_finite_loss(quote):
+    q = quote
+    lines = [f"{{{q}loss{q}: 2.31, {q}epoch{q}: 0.1}}", f"{{{q}loss{q}: nan, {q}epoch{q}: 0.2}}",
+             f"{{{q}loss{q}: nan, {q}epoch{q}: 0.3}}",
+             f"{{{q}train_runtime{q}: 12.5, {q}train_samples_per_second{q}: 40.1, {q}train_loss{q}: 1.87, "
+             f"{q}epoch{q}: 0.3}}"]
+    f = by_id(analyze_lines(lines))["loss.nonfinite"]
+    assert f.severity == "fail" and f.data["recovered"] is False
+    # a per-step metric of that name (Lightning's self.log("train_loss", ...)) still counts
+    f = by_id(analyze_lines([*lines[:3], "Epoch 0: 40%|████ | 4/10 [00:01<00:02, train_loss=1.87]"]))["loss.nonfinite"]
+    assert f.severity == "warn" and f.data["recovered"] is True
+
+
 def test_jsonl_metrics_and_lightning_bar():
     j = by_id(fixture_report("metrics_jsonl_nan.log"))
     assert j["loss.nonfinite"].data["first_step"] == 300

@@ -33,6 +33,13 @@ SNIFF_BYTES = 4096   # bytes read before the encoding is chosen
 TAIL_CHARS = 4096    # characters of the end of the output kept for last_lines()
 
 
+def _in_train_summary(buf: str, pos: int) -> bool:
+    """The loss at ``pos`` is the HF Trainer's end-of-training summary (``{'train_runtime': ..., 'train_loss': ...}``,
+    printed once by ``Trainer.train()``): an average over the run, not a later step's loss."""
+    line_start = buf.rfind("\n", 0, pos) + 1
+    return buf.startswith("train_", pos - 6) and buf.find("train_runtime", line_start, pos) >= 0
+
+
 def decoder_for(head: bytes) -> tuple[str, Any]:
     """The encoding and an incremental decoder for a log that starts with ``head`` (see ``Scanner.feed_bytes``)."""
     enc = "utf-8"
@@ -229,8 +236,10 @@ class Scanner:
             self._progress_region(buf, prev, end)
         if self._loss_nf and not self._loss_recovered:
             start = self._nf_end if self._nf_end is not None else 0
-            # a finite loss after the last non-finite one; a zero is not one (the Trainer's hidden NaN, its summary)
-            if start < end and any(num(m["v"]) for m in P.FINITE_LOSS_RE.finditer(buf, start, end)):
+            # a finite loss after the last non-finite one; a zero is not one (the Trainer's hidden NaN), and neither is
+            # the HF Trainer's end-of-training summary (its train_loss is an average over the whole run)
+            if start < end and any(num(m["v"]) and not _in_train_summary(buf, m.start())
+                                   for m in P.FINITE_LOSS_RE.finditer(buf, start, end)):
                 self._loss_recovered = True
         n = buf.count("grad_norm", 0, end)  # Trainer dicts: how many carry a grad norm, is a finite one the last
         if n:
