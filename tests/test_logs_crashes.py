@@ -400,3 +400,45 @@ def test_logs_reads_a_utf16_log_from_stdin():
     data = codecs.BOM_UTF16_LE + _nan_log().encode("utf-16-le")
     p = subprocess.run([PY, "-m", "torchdoctor", "logs", "-"], input=data, capture_output=True, timeout=120)
     assert p.returncode == 1 and b"(loss.nonfinite)" in p.stdout and b"[OK]" not in p.stdout
+
+
+# ---------------------------------------------------------------- the end of a failed run, whatever its layout
+BAR = " 45%|####5     | 450/1000 [01:00<01:13,  7.5it/s]"
+
+
+@pytest.mark.parametrize("lines", [["step 3", BAR + "Killed"], ["step 3", BAR, "Killed"], ["step 3", "Killed"]],
+                         ids=["after-a-bar", "own-line-after-a-bar", "own-line"])
+def test_killed_is_found_on_its_own_line_or_after_a_progress_bar(lines):
+    f = by_id(analyze_lines(lines))["process.killed"]
+    assert f.severity == "fail"
+    [kill] = f.data["kills"]
+    assert (kill["signum"], kill["source"], kill["line"]) == (9, "shell", len(lines))
+
+
+@pytest.mark.parametrize("line", ["some_tool: FATAL: could not open shard 17", "error: unrecognized arguments: --x",
+                                  "2026-12-04 12:00:00 | ERROR | shard reader stopped", "[ERROR] dataset missing",
+                                  "terminate called without an active exception"])
+def test_an_error_no_rule_knows_at_the_end_is_never_ok(line):
+    report = analyze_lines(["step 1 loss 2.3", "step 2 loss 2.2", line])
+    ids = [f.id for f in report.findings]
+    assert "logs.clean" not in ids
+    f = by_id(report).get("process.error-line") or by_id(report).get("process.killed")
+    assert f is not None and f.severity in ("warn", "fail"), ids
+    if f.id == "process.error-line":
+        assert line in f.title
+
+
+@pytest.mark.parametrize("line", ["eval: error rate 0.12", "errors: 0", "no error so far", "MSE error 0.2"])
+def test_the_word_error_in_prose_is_not_a_failure(line):
+    assert [f.id for f in analyze_lines(["step 1 loss 2.3", line]).findings] == ["logs.clean"]
+
+
+def test_an_exception_line_followed_by_the_launchers_lines_is_kept():
+    lines = ["step 1 loss 2.3", "ValueError: expected 3 channels, got 4",
+             "E1204 12:00:00.123000 2815 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+             "(exitcode: 1) local_rank: 0 (pid: 2820) of binary: /usr/bin/python",
+             "============================================================"]
+    report = analyze_lines(lines)
+    f = by_id(report)["process.exception"]
+    assert f.severity == "warn" and f.data["exception"]["type"] == "ValueError"
+    assert "process.exit-code" in by_id(report)

@@ -77,6 +77,10 @@ def _exc_text(exc: dict, n: int = 400) -> str:
     return f"{exc['type']}: {msg}" if msg else exc["type"]
 
 
+# findings that say only how a process ended, not why
+_GENERIC_EXITS = ("process.exit-code", "process.exit")
+
+
 class CrashJudge:
     """Mixin: ``_judge_cuda`` and ``_judge_exception``."""
 
@@ -176,12 +180,16 @@ class CrashJudge:
                          "cause": t["cause"]})]
 
     def _judge_bare_exception(self, others: list[Finding]) -> list[Finding]:
-        """No traceback, but the output ends with an exception line (a logger's ``logger.error(e)``, a cut paste):
-        at least a warning, unless another finding already says what failed."""
-        if any(f.severity in ("fail", "warn") for f in others) or self._exit_code == 0:
+        """No traceback, but the output ends with an exception line (a logger's ``logger.error(e)``, a cut paste) or
+        an error line no rule knows (``FATAL: ...``, ``error: ...``, ``terminate called``): at least a warning,
+        quoting it, unless another finding already says what failed (a bare exit code does not: it is what this
+        explains). The launcher's own lines after a worker failed (torch elastic's) are looked past."""
+        if self._exit_code == 0 or any(f.severity in ("fail", "warn") and f.id not in _GENERIC_EXITS for f in others):
             return []
-        for line in reversed(self.last_lines(3, errors=False)):  # the output's very end, not an error it went past
-            m = P.EXC_LINE_RE.match(P.RANK_STRIP_RE.sub("", line))
+        tail = [(line, P.RANK_STRIP_RE.sub("", line)) for line in self.last_lines(12, errors=False)]
+        tail = [(line, bare) for line, bare in tail if not P.LAUNCHER_TRAILER_RE.search(bare)][-3:]
+        for line, bare in reversed(tail):  # the output's very end, not an error it went past
+            m = P.EXC_LINE_RE.match(bare)
             if m and m["msg"] and m["type"].endswith(("Error", "Exception")):
                 return [Finding("process.exception", "warn", f"the output ends with an exception: {clip(line, 200)}",
                                 [f"last lines: {x}" for x in self.last_lines(4)],
@@ -189,6 +197,13 @@ class CrashJudge:
                                  "python -X faulthandler; the message names what failed"],
                                 {"exception": {"type": m["type"], "msg": m["msg"], "text": clip(line)},
                                  "traceback": False})]
+        for line, bare in reversed(tail):
+            if P.ERROR_LINE_RE.search(bare):
+                return [Finding("process.error-line", "warn",
+                                f"the output ends with an error no rule here knows: {clip(line, 200)}",
+                                [f"last lines: {x}" for x in self.last_lines(4)],
+                                ["the line names what failed and which program printed it; the lines above it say "
+                                 "what it was doing"], {"text": clip(line)})]
         return []
 
     # ----------------------------------------------------------------------------------------------- CUDA

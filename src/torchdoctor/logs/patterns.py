@@ -198,7 +198,9 @@ TORCHRUN_HOST_RE = re.compile(r"^\s*host\s{3,}: (\S+)")
 TORCHRUN_RANK_RE = re.compile(r"^\s*rank\s{3,}: (\d+) \(local_rank: (\d+)\)")
 SPAWN_RE = re.compile(r"process (\d+) terminated with (?:signal (SIG\w+)|exit code (\d+))")
 SUBPROCESS_SIGNAL_RE = re.compile(r"died with <Signals\.(SIG\w+): (\d+)>")
-BASH_KILLED_RE = re.compile(r"^\s*Killed\s*$|: line \d+: +(\d+) Killed\b")
+#: bash's "Killed" on a line of its own, or written right after a progress bar that had no newline yet (tqdm's
+#: ``... 7.5it/s]Killed``: text after a bar is a line of its own)
+BASH_KILLED_RE = re.compile(r"(?:^|(?:it/s|s/it)[^\]\n]{0,80}\])\s*Killed\s*$|: line \d+: +(\d+) Killed\b")
 SIGTERM_SENT_RE = re.compile(r"Sending process (\d+) closing signal (SIG\w+)")
 SLURM_CANCEL_RE = re.compile(r"CANCELLED AT (\S+) DUE TO (TIME LIMIT|PREEMPTION|NODE FAILURE)")
 
@@ -274,6 +276,14 @@ ECC_RE = re.compile(r"(?i:uncorrectable ECC error|ECC error)")
 ERRORISH_RE = re.compile(r"(?i:error|exception|traceback|fatal|failed|failure|abort|killed|segmentation|core dumped"
                          r"|cannot|unable|denied|not found|no such)")
 DEVICE_ASSERT_RE = re.compile(r"Assertion `(?P<cond>[^`]*)` failed")
+#: An error line no rule knows, at the end of a failed run: a FATAL, a C++ ``terminate called``, an abort, or an
+#: ``ERROR``/``Error``/``error`` label (``error: ...``, ``[ERROR]``, ``| ERROR |``, ``ERROR -``), not the word in prose
+#: (``error rate``, ``errors: 0``, ``no error``).
+ERROR_LINE_RE = re.compile(r"\bFATAL\b|\bFatal error\b|\bterminate called\b|^\s*Aborted\b"
+                           r"|(?:^|[\s\[|:])(?:ERROR|Error|error)(?::|\]|\s+\||\s+-\s)")
+#: What launchers print after a worker failed, skipped when looking for the worker's last words: torch elastic's
+#: glog lines (``E1204 12:00:00.123 2815 torch/.../api.py:1002] failed (exitcode: 1) ...``) and rules of = or -.
+LAUNCHER_TRAILER_RE = re.compile(r"^[EWI]\d{4} \d\d:\d\d:\d\d(?:\.\d+)? +\d+ \S+:\d+\] |^\s*[=\-]{10,}\s*$")
 
 # DeepSpeed config
 DS_BF16_FP16_RE = re.compile(r"bfloat16 and fp16 modes cannot be simultaneously enabled")
