@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..numerics.watched import live_modules
+
 
 def param_ids(optimizer: Any) -> set[int]:
     return {id(p) for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())}
@@ -46,7 +48,7 @@ def pick_model(wanted: set[int], modules: list[nn.Module] | None = None) -> nn.M
     if not wanted:
         return None
     if modules is None:
-        modules = [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]  # (type(): no proxy's __class__)
+        modules = live_modules()
     inner = {id(c) for m in modules for c in m._modules.values() if c is not None}
     level = [m for m in modules if id(m) not in inner]  # the outermost modules
     while level:
@@ -76,17 +78,13 @@ class PlainLoops:
     def __init__(self, attach: Callable[[nn.Module, Any, Any], None], warn: Callable[[str], None]) -> None:
         self._attach = attach  # (model, optimizer, scaler)
         self._warn = warn
-        self._seen: weakref.WeakSet = weakref.WeakSet()
-        self._seen_ids: set[int] = set()  # optimizers that cannot be weakly referenced
+        self._seen: weakref.WeakSet = weakref.WeakSet()  # (torch.optim.Optimizer takes weak references)
 
     def hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
-            if optimizer in self._seen or id(optimizer) in self._seen_ids:
+            if optimizer in self._seen:
                 return None
-            try:
-                self._seen.add(optimizer)
-            except TypeError:
-                self._seen_ids.add(id(optimizer))
+            self._seen.add(optimizer)
             model = pick_model(param_ids(optimizer))
             if model is not None:
                 self._attach(model, optimizer, find_scaler())

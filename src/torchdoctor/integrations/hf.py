@@ -23,15 +23,12 @@ its own logs.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from transformers import TrainerCallback
 
 from ..numerics.monitor import NumericsMonitor
-from ..numerics.watched import describe, outermost_wrapper
-from ..runvars import REPORT_DIR_VAR
-from .callbacks import callback_options
+from .callbacks import attach_monitor, callback_options
 
 
 class NumericsCallback(TrainerCallback):
@@ -52,13 +49,9 @@ class NumericsCallback(TrainerCallback):
         if model is None or optimizer is None:
             raise RuntimeError("the Trainer passed no model or optimizer to NumericsCallback.on_train_begin")
         self.close()
-        # reports go where `torchdoctor run` asked (its --report-dir or per-run folder), else into output_dir
-        kwargs_ = {"report_dir": os.environ.get(REPORT_DIR_VAR) or args.output_dir, "_via": "hf", **self.monitor_kwargs}
         # the monitor looks through accelerate's AcceleratedOptimizer; its GradScaler sits on the wrapper
-        self.monitor = NumericsMonitor(model, optimizer=optimizer, scaler=getattr(optimizer, "scaler", None), **kwargs_)
-        # what it runs inside (accelerate's DDP where FSDP was asked for, Lightning's strategy): said in the report
-        self.monitor.watching = describe(outermost_wrapper(model), self.monitor.optimizer, self.monitor.grads)
-        self.monitor.warnings = self.warnings  # one list for the whole of train(), readable once it returned
+        self.monitor = attach_monitor(model, optimizer, getattr(optimizer, "scaler", None), report_dir=args.output_dir,
+                                      via="hf", monitor_kwargs=self.monitor_kwargs, warnings=self.warnings)
 
     def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
         self.close()

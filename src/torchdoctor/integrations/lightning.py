@@ -30,9 +30,7 @@ except ImportError:  # the standalone package
     from pytorch_lightning import Callback
 
 from ..numerics.monitor import NumericsMonitor
-from ..numerics.watched import describe, outermost_wrapper
-from ..runvars import REPORT_DIR_VAR
-from .callbacks import callback_options
+from .callbacks import attach_monitor, callback_options
 
 __all__ = ["LightningNumericsCallback", "NumericsCallback"]
 
@@ -56,12 +54,8 @@ class NumericsCallback(Callback):
         self.close()
         optimizers = list(getattr(trainer, "optimizers", None) or [])
         optimizer = optimizers[0] if optimizers else None  # the monitor finds the torch optimizer inside
-        kwargs = {"report_dir": os.environ.get(REPORT_DIR_VAR) or _log_dir(trainer), "_via": "lightning",
-                  **self.monitor_kwargs}
-        self.monitor = NumericsMonitor(pl_module, optimizer=optimizer, scaler=_scaler(trainer), **kwargs)
-        # what it runs inside (accelerate's DDP where FSDP was asked for, Lightning's strategy): said in the report
-        self.monitor.watching = describe(outermost_wrapper(pl_module), self.monitor.optimizer, self.monitor.grads)
-        self.monitor.warnings = self.warnings  # one list for the whole of fit(), readable once it returned
+        self.monitor = attach_monitor(pl_module, optimizer, _scaler(trainer), report_dir=_log_dir(trainer),
+                                      via="lightning", monitor_kwargs=self.monitor_kwargs, warnings=self.warnings)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self.close()

@@ -68,15 +68,20 @@ def human_count(n: int) -> str:
     return str(n)
 
 
-def outermost_wrapper(model: nn.Module) -> nn.Module:
-    """The outermost wrapper alive in the process around ``model`` (DDP, FSDP1, torch.compile, DeepSpeed, Lightning's
-    strategy wrappers), else ``model``: what a Trainer's callback, given the bare model, runs inside. One ``gc``
-    scan: for a callback's start, not for every monitor."""
+def live_modules() -> list[nn.Module]:
+    """Every ``nn.Module`` alive in the process (one ``gc`` scan: at a callback's start or an attach, never per
+    step). ``type()``, not ``isinstance``: a lazy proxy's ``__class__`` (torch's deprecated ``reduce_op``) warns."""
     import gc
 
+    return [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]
+
+
+def outermost_wrapper(model: nn.Module) -> nn.Module:
+    """The outermost wrapper alive in the process around ``model`` (DDP, FSDP1, torch.compile, DeepSpeed, Lightning's
+    strategy wrappers), else ``model``: what a Trainer's callback, given the bare model, runs inside."""
     best, best_depth = model, 0
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), nn.Module) or not is_wrapper(obj):
+    for obj in live_modules():
+        if not is_wrapper(obj):
             continue
         depth, inner = 0, obj
         while inner is not model and is_wrapper(inner):
