@@ -406,8 +406,12 @@ def test_logs_reads_a_utf16_log_from_stdin():
 BAR = " 45%|####5     | 450/1000 [01:00<01:13,  7.5it/s]"
 
 
-@pytest.mark.parametrize("lines", [["step 3", BAR + "Killed"], ["step 3", BAR, "Killed"], ["step 3", "Killed"]],
-                         ids=["after-a-bar", "own-line-after-a-bar", "own-line"])
+@pytest.mark.parametrize("lines", [["step 3", BAR + "Killed"], ["step 3", BAR, "Killed"], ["step 3", "Killed"],
+                                   ["step 3", "zsh: killed     python train.py"],
+                                   ["step 3", BAR + "[1]    26478 killed     python train.py"],
+                                   ["step 3", "[2]  + 4242 killed     torchrun train.py"]],
+                         ids=["after-a-bar", "own-line-after-a-bar", "own-line", "zsh", "zsh-job-after-a-bar",
+                              "zsh-job"])
 def test_killed_is_found_on_its_own_line_or_after_a_progress_bar(lines):
     f = by_id(analyze_lines(lines))["process.killed"]
     assert f.severity == "fail"
@@ -428,7 +432,8 @@ def test_an_error_no_rule_knows_at_the_end_is_never_ok(line):
         assert line in f.title
 
 
-@pytest.mark.parametrize("line", ["eval: error rate 0.12", "errors: 0", "no error so far", "MSE error 0.2"])
+@pytest.mark.parametrize("line", ["eval: error rate 0.12", "errors: 0", "no error so far", "MSE error 0.2",
+                                  "3 workers killed  after the epoch (by design)"])
 def test_the_word_error_in_prose_is_not_a_failure(line):
     assert [f.id for f in analyze_lines(["step 1 loss 2.3", line]).findings] == ["logs.clean"]
 

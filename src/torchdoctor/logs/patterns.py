@@ -54,7 +54,7 @@ SCAN_ANCHORS = (
     "Watchdog caught", "Heartbeat monitor timed out", "NCCL", "InternalError", "SystemError", "UnhandledCudaError",
     "RemoteError", "InvalidUsage", "InvalidArgument",
     # memory
-    "CUDA out of memory", "OutOfMemoryError", "Out of memory", "Killed", "OOM",
+    "CUDA out of memory", "OutOfMemoryError", "Out of memory", "Killed", "killed  ", "OOM",
     "CPU Virtual Memory", "Max_MA",
     # process exits (the "exitcode" family is EXIT_SCAN_RE)
     "SIG", "CANCELLED",
@@ -201,6 +201,9 @@ SUBPROCESS_SIGNAL_RE = re.compile(r"died with <Signals\.(SIG\w+): (\d+)>")
 #: bash's "Killed" on a line of its own, or written right after a progress bar that had no newline yet (tqdm's
 #: ``... 7.5it/s]Killed``: text after a bar is a line of its own)
 BASH_KILLED_RE = re.compile(r"(?:^|(?:it/s|s/it)[^\]\n]{0,80}\])\s*Killed\s*$|: line \d+: +(\d+) Killed\b")
+#: zsh's notice of the same SIGKILL, in its lower-case signal words padded to a column: ``zsh: killed     python
+#: train.py``, or a job's ``[1]  + 26478 killed     python train.py`` (also right after a progress bar)
+ZSH_KILLED_RE = re.compile(r"(?:^|\]|zsh: )\s*(?:\[\d+\]\s+[+-]?\s*(\d+)\s+)?killed {2,}\S")
 SIGTERM_SENT_RE = re.compile(r"Sending process (\d+) closing signal (SIG\w+)")
 SLURM_CANCEL_RE = re.compile(r"CANCELLED AT (\S+) DUE TO (TIME LIMIT|PREEMPTION|NODE FAILURE)")
 
@@ -334,6 +337,7 @@ RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ("terminated with", SPAWN_RE, "_on_spawn"),
     ("died with <Signals", SUBPROCESS_SIGNAL_RE, "_on_subprocess_signal"),
     ("Killed", BASH_KILLED_RE, "_on_bash_killed"),
+    ("killed  ", ZSH_KILLED_RE, "_on_bash_killed"),
     ("closing signal", SIGTERM_SENT_RE, "_on_sigterm_sent"),
     ("CANCELLED AT", SLURM_CANCEL_RE, "_on_slurm_cancel"),
     ("Installed CUDA version", DS_CUDA_MISMATCH_RE, "_on_ds_cuda_mismatch"),
