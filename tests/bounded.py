@@ -122,7 +122,12 @@ def marked_pids(marker: str) -> list[int]:
             continue
         try:
             env = (p / "environ").read_bytes()
-            state = (p / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+            state, ppid = (p / "stat").read_text().rsplit(")", 1)[-1].split()[:2]
+            for _ in range(5):  # a process in the middle of execve() reads as an empty environment for a moment
+                if env or state == "Z" or ppid in ("0", "2"):  # (kernel threads have none at all)
+                    break
+                time.sleep(0.01)
+                env = (p / "environ").read_bytes()
         except OSError:
             continue
         if needle in env.split(b"\0") and state != "Z":
