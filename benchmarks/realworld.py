@@ -86,6 +86,27 @@ LOG_EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
     "sigkill_accelerate_exitcode-9_rich": ("fail", ("process.killed",)),
     "sigkill_ds_launcher_rc-9": ("fail", ("process.killed",)),
     "sigkill_torchrun_exitcode-9_loading_shards": ("fail", ("process.killed",)),
+    # the 20 logs added to the corpus on 2026-12-04 (issue 20), labelled from SOURCES.md's cause column
+    "build_cuda_mismatch_9.1_vs_11.8_at_train": ("fail", ("build.cuda-mismatch",)),
+    "build_gcc_too_old_need_gcc9_cpu_adam": ("fail", ("build.compiler",)),
+    "build_mismatch_accepted_but_curand_header_missing": ("fail", ("build.compiler",)),
+    "cuda_driver_too_old_userwarning": ("fail", ("cuda.driver-too-old",)),
+    "cuda_illegal_memory_access_in_nccl_watchdog": ("fail", ("cuda.illegal-memory-access",)),
+    "cuda_no_kernel_image_sm86": ("fail", ("cuda.no-kernel-image",)),
+    "cuda_oom_new_format_then_chained": ("fail", ("memory.cuda-oom",)),
+    "cuda_oom_old_format_during_ds_init": ("fail", ("memory.cuda-oom",)),
+    "ds_min_scale_exception_then_launcher_kills": ("fail", ("fp16.loss-scale-collapse",)),
+    "ds_overflow_startup_hysteresis_to_512": ("quiet", ()),
+    "ds_scale_stuck_at_1_legacy_zero2": ("fail", ("fp16.loss-scale-collapse",)),
+    "hf_grad_norm_nan_bf16_and_fp16": ("fail", ("loss.", "grad.")),
+    "hf_loss_zero_grad_norm_nan_llamafactory_callback": ("fail", ("loss.",)),
+    "nccl_system_error_no_route_to_host": ("fail", ("comm.nccl-error", "comm.network")),
+    "nccl_timeout_broadcast_seqnum4_wrapped": ("fail", ("comm.nccl-timeout",)),
+    "nccl_watchdog_terminate_broadcast": ("fail", ("comm.nccl-timeout",)),
+    "sigkill_bare_killed_loading_shards": ("fail", ("process.killed",)),
+    "sigkill_torchrun_exitcode-9_at_load": ("fail", ("process.killed",)),
+    "traceback_keyerror_in_validation": ("fail", ("process.exception",)),
+    "traceback_unscale_fp16_gradients": ("fail", ("process.exception",)),
 }
 SEVERE = ("warn", "fail")
 

@@ -54,11 +54,15 @@ class Analyzer(Scanner, Handlers, Judges):
     """Streaming log analyzer: ``feed_line`` / ``feed_bytes`` / ``feed_block`` as the log arrives, then ``finish()``.
 
     ``source`` words the findings for where the text came from: ``"log"`` (a file or stdin) or ``"command"`` (the
-    output of a command run by ``torchdoctor run``).
+    output of a command run by ``torchdoctor run``). ``wraps=False`` reads every line as it is; by default a log's
+    hard wraps are found from its first 64 KiB and joined (never for a command's output, which no terminal cut).
     """
 
-    def __init__(self, *, source: str = "log") -> None:
+    def __init__(self, *, source: str = "log", wraps: bool | None = None) -> None:
         self._source = source
+        # hard-wrapped lines (a terminal's cut kept in a paste): None finds out from the text, False never joins (a
+        # command's pipe, `torchdoctor run`: no terminal cuts it)
+        self._wraps = False if source == "command" else wraps
         self._run: dict[str, Any] | None = None  # what `torchdoctor run` saw itself (set_run_evidence)
         self._damage: tuple[str, str] | None = None  # the input ended early or damaged (input_damaged)
         self._init_scan()
@@ -120,7 +124,7 @@ class Analyzer(Scanner, Handlers, Judges):
                          timeline_dropped=self._timeline.dropped, event_counts=dict(self._counts))
 
 
-def analyze_stream(stream: BinaryIO, chunk_size: int = CHUNK_BYTES) -> LogReport:
+def analyze_stream(stream: BinaryIO, chunk_size: int = CHUNK_BYTES, *, wraps: bool | None = None) -> LogReport:
     """Analyse a binary stream (file, gzip file, stdin.buffer) in constant memory; text streams work too.
 
     A gzip stream that ends early or is damaged part-way (:class:`Gunzip`, or ``gzip.open``'s ``EOFError`` /
@@ -128,7 +132,7 @@ def analyze_stream(stream: BinaryIO, chunk_size: int = CHUNK_BYTES) -> LogReport
     (``logs.gzip-truncated``, ``logs.gzip-corrupt``) and how many lines were read."""
     import gzip
 
-    a = Analyzer()
+    a = Analyzer(wraps=wraps)
     while True:
         try:
             chunk = stream.read(chunk_size)

@@ -127,7 +127,7 @@ class Handlers(CrashHandlers):
 
     def _on_min_scale(self, m: re.Match, seg: str, lineno: int) -> None:
         self._event(lineno, "scale-min", seg)
-        self._scale.raised(lineno, self._step, clip(seg))
+        self._scale.raised(lineno, self._step, self._quote(seg))
 
     def _on_ds_update_scale_frame(self, m: re.Match, seg: str, lineno: int) -> None:
         self._ds_frame_line = lineno
@@ -139,7 +139,8 @@ class Handlers(CrashHandlers):
                 or len(msg) < 4 or not P.MIN_SCALE_MESSAGE.startswith(msg)):
             return
         self._event(lineno, "scale-min", seg)
-        self._scale.raised(lineno, self._step, clip(seg) + " (cut; raised in DeepSpeed's loss_scaler.update_scale)")
+        self._scale.raised(lineno, self._step,
+                           self._quote(seg) + " (cut; raised in DeepSpeed's loss_scaler.update_scale)")
 
     def _on_scale_config(self, m: re.Match, seg: str, lineno: int) -> None:
         for c in P.DS_SCALE_CONFIG_RE.finditer(seg):
@@ -164,7 +165,7 @@ class Handlers(CrashHandlers):
         scale = float(m["scale"])
         if nf:
             self._event(lineno, "scale-nonfinite", seg)
-        self._scale.observe(scale, lineno, self._step, nf, "Megatron", clip(seg))
+        self._scale.observe(scale, lineno, self._step, nf, "Megatron", self._quote(seg))
 
     def _on_grad_scale(self, m: re.Match, seg: str, lineno: int) -> None:
         gs = P.GLOBAL_STEP_RE.search(seg)
@@ -175,7 +176,7 @@ class Handlers(CrashHandlers):
                                               and not self._loss_recovered)
         if scale <= 1:
             self._event(lineno, "scale-min", seg)
-        self._scale.observe(scale, lineno, self._step, nf, "GradScaler", clip(seg))
+        self._scale.observe(scale, lineno, self._step, nf, "GradScaler", self._quote(seg))
 
     # -------------------------------------------------------------------------------------- losses
     def _nonfinite_loss(self, seg: str, lineno: int, key: str, value: str, hidden: bool = False) -> None:
@@ -230,7 +231,7 @@ class Handlers(CrashHandlers):
             self._nccl_timeout_ranks.add(rank)
         d = {"line": lineno, "step": self._step, "rank": rank, "op": m["op"], "seq": int(m["seq"]),
              "numel": int(m["numel"]) if m["numel"] else None, "timeout_ms": int(m["tmo"]) if m["tmo"] else None,
-             "ran_ms": int(m["ran"]) if m["ran"] else None, "text": clip(seg)}
+             "ran_ms": int(m["ran"]) if m["ran"] else None, "text": self._quote(seg)}
         add(self._nccl_timeouts, d)
         if self._nccl_timeout_first is None or d["seq"] < self._nccl_timeout_first["seq"]:
             self._nccl_timeout_first = d
@@ -238,7 +239,7 @@ class Handlers(CrashHandlers):
     def _on_nccl_heartbeat(self, m: re.Match, seg: str, lineno: int) -> None:
         self._event(lineno, "nccl-heartbeat-timeout", seg)
         add(self._nccl_heartbeat, {"line": lineno, "rank": int(m["rank"]) if m["rank"] else self._rank(seg),
-                                    "text": clip(seg)}, 8)
+                                    "text": self._quote(seg)}, 8)
 
     def _on_nccl_abort(self, m: re.Match, seg: str, lineno: int) -> None:
         self._nccl_abort_n += 1
@@ -251,7 +252,7 @@ class Handlers(CrashHandlers):
         self._event(lineno, "nccl-error", seg)
         self._nccl_error_n += 1
         add(self._nccl_errors, {"line": lineno, "step": self._step, "kind": kind, "detail": detail,
-                                 "rank": self._rank(seg), "text": clip(seg), **extra})
+                                 "rank": self._rank(seg), "text": self._quote(seg), **extra})
 
     def _on_nccl_error(self, m: re.Match, seg: str, lineno: int) -> None:
         reason = (m["reason"] or "").strip() or None
@@ -267,14 +268,14 @@ class Handlers(CrashHandlers):
         self._nccl_warn_n += 1
         if self._nccl_warn_n <= 16:
             self._event(lineno, "nccl-warn", seg)
-            self._nccl_warns.append({"line": lineno, "text": clip(seg)})
+            self._nccl_warns.append({"line": lineno, "text": self._quote(seg)})
 
     # ------------------------------------------------------------------------------------------ memory
     def _on_cuda_oom(self, m: re.Match, seg: str, lineno: int) -> None:
         self._event(lineno, "cuda-oom", seg)
         self._cuda_oom_n += 1
         d: dict[str, Any] = {"line": lineno, "step": self._step, "rank": self._rank(seg),
-                             "tried_to_allocate": m["req"], "text": clip(seg, 600)}
+                             "tried_to_allocate": m["req"], "text": self._quote(seg, 600)}
         g = P.CUDA_OOM_GPU_RE.search(seg)
         if g:
             d["gpu"] = int(g["gpu"] or g["gpu_old"])
@@ -291,7 +292,7 @@ class Handlers(CrashHandlers):
         self._event(lineno, "cuda-oom", seg)
         self._cuda_oom_n += 1
         add(self._cuda_oom, {"line": lineno, "step": self._step, "rank": self._rank(seg), "tried_to_allocate": None,
-                              "text": clip(seg, 600)}, 16)
+                              "text": self._quote(seg, 600)}, 16)
 
     def _on_mem_gpu(self, m: re.Match, seg: str, lineno: int) -> None:
         max_ma, max_ca = float(m.group(2)), float(m.group(4))
@@ -306,7 +307,7 @@ class Handlers(CrashHandlers):
     def _on_host_oom(self, m: re.Match, seg: str, lineno: int) -> None:
         self._event(lineno, "host-oom", seg)
         self._host_oom_n += 1
-        add(self._host_oom, {"line": lineno, "text": clip(seg)}, 8)
+        add(self._host_oom, {"line": lineno, "text": self._quote(seg)}, 8)
 
     # --------------------------------------------------------------------------------------- processes
     def _exit(self, lineno: int, seg: str, code: int, source: str, pid: int | None = None,
@@ -327,7 +328,7 @@ class Handlers(CrashHandlers):
                            "signal": signal_name(sig) if sig else None, "signum": sig, "pid": pid,
                            "rank": rank if rank is not None else self._rank(seg), "local_rank": local_rank,
                            "host": host,
-                           "source": source, "text": clip(seg)}, 64)
+                           "source": source, "text": self._quote(seg)}, 64)
 
     def _on_ds_exit(self, m: re.Match, seg: str, lineno: int) -> None:
         code = int(m.group(1))
@@ -379,14 +380,14 @@ class Handlers(CrashHandlers):
 
     def _on_slurm_cancel(self, m: re.Match, seg: str, lineno: int) -> None:
         self._event(lineno, "cancelled", seg)
-        self._cancel = {"line": lineno, "reason": m.group(2), "text": clip(seg)}
+        self._cancel = {"line": lineno, "reason": m.group(2), "text": self._quote(seg)}
 
     # ------------------------------------------------------------------------------------------ builds
     def _build(self, lst: list, lineno: int, seg: str, event: str, key: Any = None, **d: Any) -> None:
-        if seen(self._build_keys, (event, key if key is not None else clip(seg))):
+        if seen(self._build_keys, (event, key if key is not None else self._quote(seg))):
             return
         self._event(lineno, event, seg)
-        add(lst, {"line": lineno, "text": clip(seg), **d}, 16)
+        add(lst, {"line": lineno, "text": self._quote(seg), **d}, 16)
 
     def _on_ds_cuda_mismatch(self, m: re.Match, seg: str, lineno: int) -> None:
         tail = m["tail"]

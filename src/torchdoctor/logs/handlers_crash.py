@@ -18,6 +18,7 @@ from typing import Any
 
 from . import patterns as P
 from .common import HeadTail, add, clip
+from .lines import ERROR_LEVELS, strip_prefixes
 
 TB_GAP = 20                 # lines between two frames (or the last frame and the exception) of one traceback
 TB_KEEP_HEAD, TB_KEEP_TAIL = 8, 24  # finished tracebacks kept: the first and the last
@@ -49,11 +50,6 @@ def _plain(line: str) -> str:
     return P.ANSI_RE.sub("", line) if "\x1b" in line else line
 
 
-def _strip_rank(seg: str) -> tuple[int | None, str]:
-    m = P.RANK_STRIP_RE.match(seg)
-    return (int(m.group(1)), seg[m.end():]) if m else (None, seg)
-
-
 class CrashHandlers:
     """Mixin of :class:`~torchdoctor.logs.analyze.Analyzer`: crash facts."""
 
@@ -72,6 +68,8 @@ class CrashHandlers:
         self._xids: list[dict] = []
         self._ecc: list[dict] = []
         self._exit_code: int | None = None      # the command's own exit status, when `run` knows it
+        self._unknown = HeadTail(3, 3)          # error lines no rule knows (first and last), and how many
+        self._unknown_n = 0
 
     # ------------------------------------------------------------------------------------------ tracebacks
     def _tb_close(self, rank: Any) -> None:
@@ -101,11 +99,11 @@ class CrashHandlers:
         return tb
 
     def _on_traceback(self, m: re.Match, seg: str, lineno: int) -> None:
-        rank, _ = _strip_rank(seg)
+        rank = self._rank(seg)
         self._new_tb(lineno, rank, "python")
 
     def _on_frame(self, m: re.Match, seg: str, lineno: int) -> None:
-        rank, _ = _strip_rank(seg)
+        rank = self._rank(seg)
         tb = self._tb_open.get(rank)
         if tb is None or lineno - tb["last"] > TB_GAP:
             return  # a stack printed outside a traceback (a warning's), or one whose start is cut off
@@ -129,36 +127,36 @@ class CrashHandlers:
 
     @staticmethod
     def _frame_code(frame: dict, line: str) -> None:
-        code = _strip_rank(_plain(line).strip())[1].strip()
+        code = strip_prefixes(_plain(line).strip()).text.strip()
         if code and not code.startswith(("File ", "^", "~")):
             frame["code"] = clip(code, 160)
 
     def _on_exc_line(self, m: re.Match, seg: str, lineno: int) -> None:
-        rank, rest = _strip_rank(seg)
+        rank = self._rank(seg)
         tb = self._tb_open.get(rank)
         if tb is None or tb["exc"] is not None or not tb["frames"] or lineno - tb["last"] > TB_GAP \
-                or rest[:1].isspace():
+                or seg[:1].isspace():
             return
-        tb["exc"] = {"line": lineno, "type": m["type"], "msg": clip(m["msg"] or "", 400), "text": clip(seg)}
+        tb["exc"] = {"line": lineno, "type": m["type"], "msg": clip(m["msg"] or "", 400), "text": self._quote(seg)}
         tb["step"] = self._step
         self._event(lineno, "exception", seg)
         self._tb_close(rank)
 
     def _on_fatal_python(self, m: re.Match, seg: str, lineno: int) -> None:
         """faulthandler: ``Fatal Python error: Segmentation fault``, then the stack, most recent call first."""
-        rank, _ = _strip_rank(seg)
+        rank = self._rank(seg)
         what = m["what"].strip()
-        exc = {"line": lineno, "type": "Fatal Python error", "msg": clip(what, 200), "text": clip(seg)}
+        exc = {"line": lineno, "type": "Fatal Python error", "msg": clip(what, 200), "text": self._quote(seg)}
         self._new_tb(lineno, rank, "faulthandler", exc)
         sig = SIGNAL_WORDS.get(what)
         if sig is not None:
             self._exit(lineno, seg, -sig, "python faulthandler", rank=rank)
 
     def _on_cpp_terminate(self, m: re.Match, seg: str, lineno: int) -> None:
-        rank, _ = _strip_rank(seg)
+        rank = self._rank(seg)
         tb = {"line": lineno, "rank": rank, "kind": "c++", "frames": 0, "last": lineno, "user": None, "inner": None,
               "first_user": None, "cause": None, "step": self._step, "chained": False,
-              "exc": {"line": lineno, "type": m["type"], "msg": "", "text": clip(seg)}}
+              "exc": {"line": lineno, "type": m["type"], "msg": "", "text": self._quote(seg)}}
         self._tbs.append(tb)
         self._tb_n += 1
         self._event(lineno, "exception", seg)
@@ -187,6 +185,24 @@ class CrashHandlers:
             self._archs_pending = False
             self._cuda_archs(line)
 
+    def _on_unknown_line(self, text: str, lineno: int) -> None:
+        """A candidate line no rule took: kept when it reports an error in words no rule knows -- an exception line
+        (``KeyError: 'losses'``), a logger's ERROR/FATAL level (``[ERROR]``, ``| ERROR |``, glog's ``F1204 ...``), an
+        ``error:`` / ``FATAL`` label, glog's ``Check failed``, ``terminate called`` -- so a failed run is never
+        clean."""
+        level = self._line.level if text is self._line.text else None
+        if level not in ERROR_LEVELS and not any(w in text for w in P.ERROR_WORDS):
+            return  # most candidate lines: a rule's key without its message (NCCL INFO chatter)
+        m = P.EXC_LINE_RE.match(text)
+        if m is not None and not (m["msg"] and m["type"].endswith(P.ERROR_TYPE_ENDINGS)):
+            m = None
+        if m is None and level not in ERROR_LEVELS and not P.ERROR_LINE_RE.search(text):
+            return
+        self._unknown_n += 1
+        kind = "exception" if m is not None else "error"
+        self._unknown.append({"line": lineno, "step": self._step, "kind": kind, "level": level,
+                              "type": m["type"] if m is not None else None, "text": self._quote(text)})
+
     # ------------------------------------------------------------------------------------- signals
     def _on_shell_signal(self, m: re.Match, seg: str, lineno: int) -> None:
         """``Segmentation fault (core dumped)``, ``script.sh: line 3: 123 Bus error  python x.py`` (bash, Slurm)."""
@@ -206,7 +222,7 @@ class CrashHandlers:
         if d["count"] <= 16:
             self._event(lineno, "cuda-error", seg)
         add(d["events"], {"line": lineno, "step": self._step, "rank": self._rank(seg), "msg": clip(msg, 300),
-                          "text": clip(seg), **extra}, 8)
+                          "text": self._quote(seg), **extra}, 8)
 
     def _on_cuda_error(self, m: re.Match, seg: str, lineno: int) -> None:
         msg = (m["msg"] if m["msg"] is not None else m["bare"]) or ""
@@ -223,7 +239,7 @@ class CrashHandlers:
     def _on_cuda_capability(self, m: re.Match, seg: str, lineno: int) -> None:
         if self._cuda_capability is None:
             self._cuda_capability = {"line": lineno, "capability": m["cap"],
-                                     "arch_list": (m["archs"] or "").split(), "text": clip(seg)}
+                                     "arch_list": (m["archs"] or "").split(), "text": self._quote(seg)}
             self._event(lineno, "cuda-arch", seg)
             if not m["archs"]:  # torch prints them on the next line
                 nxt = self._following(1)
@@ -240,15 +256,15 @@ class CrashHandlers:
 
     def _on_device_assert(self, m: re.Match, seg: str, lineno: int) -> None:
         if len(self._device_asserts) < 4 and not any(a["cond"] == m["cond"] for a in self._device_asserts):
-            self._device_asserts.append({"line": lineno, "cond": m["cond"], "text": clip(seg)})
+            self._device_asserts.append({"line": lineno, "cond": m["cond"], "text": self._quote(seg)})
 
     def _on_xid(self, m: re.Match, seg: str, lineno: int) -> None:
         self._event(lineno, "xid", seg)
         add(self._xids, {"line": lineno, "code": int(m["code"]), "pci": m["pci"], "detail": clip(m["rest"], 200),
-                         "text": clip(seg)}, 8)
+                         "text": self._quote(seg)}, 8)
 
     def _on_ecc(self, m: re.Match, seg: str, lineno: int) -> None:
         if "CUDA error" in seg or "NVRM: Xid" in seg:
             return
         self._event(lineno, "ecc", seg)
-        add(self._ecc, {"line": lineno, "text": clip(seg)}, 8)
+        add(self._ecc, {"line": lineno, "text": self._quote(seg)}, 8)

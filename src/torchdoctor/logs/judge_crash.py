@@ -14,6 +14,7 @@ from __future__ import annotations
 from ..findings import Finding
 from . import patterns as P
 from .common import clip
+from .lines import ERROR_LEVELS, strip_prefixes
 
 #: Timeline events that name a cause: a traceback whose lines hold one is explained by that finding.
 CAUSE_EVENTS = frozenset({
@@ -180,16 +181,24 @@ class CrashJudge:
                          "cause": t["cause"]})]
 
     def _judge_bare_exception(self, others: list[Finding]) -> list[Finding]:
-        """No traceback, but the output ends with an exception line (a logger's ``logger.error(e)``, a cut paste) or
-        an error line no rule knows (``FATAL: ...``, ``error: ...``, ``terminate called``): at least a warning,
-        quoting it, unless another finding already says what failed (a bare exit code does not: it is what this
-        explains). The launcher's own lines after a worker failed (torch elastic's) are looked past."""
+        """No traceback, but an error no rule knows: at least a warning, quoting it, unless another finding already
+        says what failed (a bare exit code does not: it is what this explains) or the command exited 0.
+
+        The output's end first (the last words of a failed run: an exception line from ``logger.error(e)`` or a cut
+        paste, a ``FATAL``, ``error:``, ``[ERROR]``, ``terminate called`` line; the launcher's own lines after a worker
+        failed, such as torch elastic's, looked past), then any such line anywhere (``_on_unknown_line``)."""
         if self._exit_code == 0 or any(f.severity in ("fail", "warn") and f.id not in _GENERIC_EXITS for f in others):
             return []
-        tail = [(line, P.RANK_STRIP_RE.sub("", line)) for line in self.last_lines(12, errors=False)]
-        tail = [(line, bare) for line, bare in tail if not P.LAUNCHER_TRAILER_RE.search(bare)][-3:]
-        for line, bare in reversed(tail):  # the output's very end, not an error it went past
-            m = P.EXC_LINE_RE.match(bare)
+        tail = []
+        for line in self.last_lines(12, errors=False):
+            if P.LAUNCHER_TRAILER_RE.search(line):
+                continue
+            logical = strip_prefixes(line)
+            if not P.LAUNCHER_TRAILER_RE.search(logical.text):
+                tail.append((line, logical))
+        tail = tail[-3:]
+        for line, logical in reversed(tail):  # the output's very end, not an error it went past
+            m = P.EXC_LINE_RE.match(logical.text)
             if m and m["msg"] and m["type"].endswith(("Error", "Exception")):
                 return [Finding("process.exception", "warn", f"the output ends with an exception: {clip(line, 200)}",
                                 [f"last lines: {x}" for x in self.last_lines(4)],
@@ -197,14 +206,30 @@ class CrashJudge:
                                  "python -X faulthandler; the message names what failed"],
                                 {"exception": {"type": m["type"], "msg": m["msg"], "text": clip(line)},
                                  "traceback": False})]
-        for line, bare in reversed(tail):
-            if P.ERROR_LINE_RE.search(bare):
+        for line, logical in reversed(tail):
+            if logical.level in ERROR_LEVELS or P.ERROR_LINE_RE.search(logical.text):
                 return [Finding("process.error-line", "warn",
                                 f"the output ends with an error no rule here knows: {clip(line, 200)}",
                                 [f"last lines: {x}" for x in self.last_lines(4)],
                                 ["the line names what failed and which program printed it; the lines above it say "
-                                 "what it was doing"], {"text": clip(line)})]
-        return []
+                                 "what it was doing"], {"text": clip(line), "count": self._unknown_n})]
+        if not self._unknown_n:
+            return []
+        seen = self._unknown.items()
+        first = seen[0]
+        went_on = self._progressed(first)
+        ev = [f"line {u['line']}{_at_step(u)}: {u['text']}" for u in seen]
+        if self._unknown_n > len(seen):
+            ev.insert(len(self._unknown.head), f"... {self._unknown_n - len(seen)} more such line(s)")
+        if went_on:
+            ev.append(f"training went on after the first one (to step {self._step}): check that it is harmless")
+        what = "an exception" if first["kind"] == "exception" else "an error"
+        title = (f"{what} no rule here knows, at line {first['line']}: {clip(first['text'], 160)}"
+                 + (f" ({self._unknown_n} such lines)" if self._unknown_n > 1 else ""))
+        return [Finding("process.error-line", "warn", title, ev,
+                        ["the line names what failed and which program printed it; the lines above it say what it "
+                         "was doing"], {"text": first["text"], "line": first["line"], "count": self._unknown_n,
+                                        "lines": seen, "training_went_on": went_on})]
 
     # ----------------------------------------------------------------------------------------------- CUDA
     def _judge_cuda(self) -> list[Finding]:

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import re
 
+from .lines import vocabulary
+
 NUM = r"[-+]?\d+(?:\.\d*)?(?:[eE][+-]?\d+)?"
 _SIZE = r"\d+(?:\.\d+)?\s?[KMGTP]?i?B"
 
@@ -69,6 +71,8 @@ SCAN_ANCHORS = (
     "Traceback (most recent", "Fatal Python error", "Segmentation fault", "Bus error", "Illegal instruction",
     "Floating point exception", "Aborted", "CUDA error", "CUDA driver version", "NVIDIA driver", "NVRM: Xid",
     "ECC error", "Assertion `", "CUDA capability",
+    # errors in words no rule knows (handlers_crash._on_unknown_line): never a clean log
+    "Error", "ERROR", "FATAL", "Check failed",
 )
 
 
@@ -98,7 +102,7 @@ FINITE_LOSS_RE = re.compile(
 #: Plain substrings searched with str.find (their first characters are too common for SCAN_RE).
 #: "_scale" finds DeepSpeed's config print (min_loss_scale, 'min_scale', initial_scale_power, 'init_scale') and its
 #: update_scale traceback frame with one search.
-NEEDLES = ("bfloat16 and fp16 modes", "      : ", " error: ", "unable to compile CUDA", "| loss scale: ", "_scale",
+NEEDLES = ("bfloat16 and fp16 modes", "      : ", "error:", "unable to compile CUDA", "| loss scale: ", "_scale",
            "died due to signal", "terminate called after")
 #: A traceback's frames and its last line (``ValueError: bad``, ``torch.AcceleratorError: CUDA error: ...``,
 #: ``KeyboardInterrupt``): searched with str.find only while a traceback is open, from where one starts (each
@@ -282,8 +286,14 @@ DEVICE_ASSERT_RE = re.compile(r"Assertion `(?P<cond>[^`]*)` failed")
 #: An error line no rule knows, at the end of a failed run: a FATAL, a C++ ``terminate called``, an abort, or an
 #: ``ERROR``/``Error``/``error`` label (``error: ...``, ``[ERROR]``, ``| ERROR |``, ``ERROR -``), not the word in prose
 #: (``error rate``, ``errors: 0``, ``no error``).
-ERROR_LINE_RE = re.compile(r"\bFATAL\b|\bFatal error\b|\bterminate called\b|^\s*Aborted\b"
+ERROR_LINE_RE = re.compile(r"\bFATAL\b|\bFatal error\b|\bterminate called\b|^\s*Aborted\b|\bCheck failed\b"
                            r"|(?:^|[\s\[|:])(?:ERROR|Error|error)(?::|\]|\s+\||\s+-\s)")
+#: Words one of which an error line no rule knows holds (ERROR_LINE_RE, an exception type of ERROR_TYPE_ENDINGS):
+#: a cheap test before the regexes.
+ERROR_WORDS = ("rror", "FATAL", "Fatal", "terminate called", "Aborted", "Check failed", "Exception", "Failure",
+               "Fault", "Timeout", "Interrupt", "Exit")
+#: The exception types an exception line must end in to report an error (``UserWarning: ...`` does not).
+ERROR_TYPE_ENDINGS = ("Error", "Exception", "Failure", "Fault", "Timeout", "Interrupt", "Exit")
 #: What launchers print after a worker failed, skipped when looking for the worker's last words: torch elastic's
 #: glog lines (``E1204 12:00:00.123 2815 torch/.../api.py:1002] failed (exitcode: 1) ...``) and rules of = or -.
 LAUNCHER_TRAILER_RE = re.compile(r"^[EWI]\d{4} \d\d:\d\d:\d\d(?:\.\d+)? +\d+ \S+:\d+\] |^\s*[=\-]{10,}\s*$")
@@ -380,3 +390,7 @@ RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
 #: rule's own regex fails on that line, the next lines are joined to it and it is tried again; a head that never
 #: completes (the log was cut) is handled with what it says.
 JOINS: dict[str, re.Pattern[str]] = {"_on_torch_cuda_mismatch": TORCH_CUDA_MISMATCH_HEAD_RE}
+
+#: The words of the message tables above (anchors and rule regexes): a word a wrap cut with a space is put back
+#: together only into one of these (lines.rejoin).
+VOCABULARY = vocabulary(*SCAN_ANCHORS, *NEEDLES, *(rx.pattern for _, rx, _ in RULES))

@@ -11,6 +11,7 @@ lines that follow it before it is matched (``patterns.JOINS``).
 from __future__ import annotations
 
 import codecs
+from bisect import bisect_right
 from collections import deque
 from typing import Any
 
@@ -21,15 +22,18 @@ from .common import (
     MAX_LINE,
     SEG_BEFORE,
     SEG_MAX,
+    TEXT_MAX,
     TIMELINE_HEAD,
     TIMELINE_TAIL,
     HeadTail,
     clip,
     num,
 )
+from .lines import WRAP_SAMPLE, Logical, bar_end, dewrap, rejoin, strip_prefixes, wrap_width
 
 _RULES = tuple((key, rx, name) for key, rx, name in P.RULES)
 SNIFF_BYTES = 4096   # bytes read before the encoding is chosen
+_UNDECIDED = object()  # the wrap width before the stream's first WRAP_SAMPLE characters are in
 TAIL_CHARS = 4096    # characters of the end of the output kept for last_lines()
 
 
@@ -84,6 +88,14 @@ class Scanner:
         self._seg_end = 0          # end of the segment being handled, in the buffer being scanned
         self._nf_end: int | None = None  # end of the last non-finite-loss segment in the current buffer
         self._join: tuple | None = None  # a message head whose continuation is in the next buffer
+        # hard wraps (lines.dewrap): the width is decided once, from the stream's first WRAP_SAMPLE characters (held
+        # until then, so any chunking reads the same); a command's pipe is never wrapped by a terminal
+        self._wrap: int | None | object = None if getattr(self, "_wraps", None) is False else _UNDECIDED
+        self._held: list[str] = []
+        self._held_n = 0
+        self._wrap_carry = ""      # a last line of exactly the width: its rest may be the next piece's first line
+        self._phys = ""            # the candidate line being handled, as the file has it ...
+        self._line = Logical("")   # ... and as its program printed it (lines.strip_prefixes)
         # progress
         self._step: int | None = None
         self._max_step: int | None = None
@@ -137,6 +149,8 @@ class Scanner:
             text = str(data, "utf-8", "replace") if isinstance(data, (bytes, bytearray, memoryview)) else str(data)
             if not text:
                 return
+            if self._wrap is _UNDECIDED:  # blocks are a pipe's (torchdoctor run): no terminal cut them
+                self._decide_wrap()
             if not partial and text[-1] != "\n":
                 text += "\n"
             self._scan(text, len(text))
@@ -175,12 +189,59 @@ class Scanner:
             cut = self._carry.rfind("\r") + 1 or len(self._carry)
             self._scan(self._carry, cut)
             self._carry = self._carry[cut:]
+        if final:  # the text held for the wrap width, and a last line of exactly that width
+            if self._wrap is _UNDECIDED:
+                self._decide_wrap()
+            if self._wrap_carry:
+                carry, self._wrap_carry = self._wrap_carry, ""
+                self._scan_text(carry)
         if final and self._midline:  # the last line had no newline: it counts too
             self._lines += 1
             self._midline = False
 
     def _scan(self, buf: str, end: int) -> None:
-        """Handle buf[:end] (whole lines, or a piece of an overlong one): C-speed searches find the candidates."""
+        """Handle buf[:end] (whole lines, or a piece of an overlong one), once the wrap width is decided."""
+        if not end:
+            return
+        text = buf[:end] if end < len(buf) else buf
+        if self._wrap is _UNDECIDED:
+            self._held.append(text)
+            self._held_n += len(text)
+            if self._held_n >= WRAP_SAMPLE:
+                self._decide_wrap()
+            return
+        if self._wrap is None:
+            self._scan_text(text)
+            return
+        if self._wrap_carry:
+            text = self._wrap_carry + text
+            self._wrap_carry = ""
+        cut = text.rfind("\n", 0, len(text) - 1) + 1  # the start of the last line (it ends the piece)
+        last = text[cut:].rstrip("\n")
+        if last and len(last) % self._wrap == 0 and text.endswith("\n"):
+            self._wrap_carry, text = text[cut:], text[:cut]
+        self._scan_text(text)
+
+    def _decide_wrap(self) -> None:
+        """The stream's wrap width, from its first WRAP_SAMPLE characters; then the text held until now is read."""
+        held = "".join(self._held)
+        self._held, self._held_n = [], 0
+        self._wrap = wrap_width(held[:WRAP_SAMPLE])
+        if held:
+            self._scan(held, len(held))
+
+    def _scan_text(self, buf: str) -> None:
+        """Handle ``buf`` (whole lines, or a piece of an overlong one): C-speed searches find the candidates.
+
+        The text is made logical first (:mod:`.lines`): colour codes out, hard-wrapped lines joined (``joins`` keeps
+        where, so line numbers stay the file's)."""
+        if not buf:
+            return
+        raw_last = buf[-1]  # whether the line goes on in the next piece, whatever the cleaning leaves
+        if "\x1b" in buf:
+            buf = P.ANSI_RE.sub("", buf)
+        buf, joins = dewrap(buf, self._wrap) if self._wrap else (buf, [])
+        end = len(buf)
         self._buf, self._buf_end = buf, end
         if self._join is not None:
             self._finish_join(buf, end)
@@ -215,7 +276,7 @@ class Scanner:
             # so a line without newlines is not searched back to its start for every candidate) to the next one
             ls = max(buf.rfind("\n", prev, p) + 1, prev)
             r = buf.rfind("\r", ls, p)
-            s = r + 1 if r >= 0 else ls
+            s = bar_end(buf, r + 1 if r >= 0 else ls, p)  # text after a progress bar is a line of its own
             e = buf.find("\n", p, end)
             if e < 0:
                 e = end
@@ -230,7 +291,7 @@ class Scanner:
             nl += buf.count("\n", counted, s)
             counted = s
             self._seg_end = e
-            self._segment(buf[s:e], base + nl + 1)
+            self._segment(buf[s:e], base + nl + 1 + (bisect_right(joins, s) if joins else 0))
             prev = seg_end = e
         if prev < end:
             self._progress_region(buf, prev, end)
@@ -248,9 +309,9 @@ class Scanner:
                 start = self._norm_nf_end if self._norm_nf_end is not None else 0
                 if start < end and P.HF_FINITE_NORM_RE.search(buf, start, end):
                     self._hf_norm_nf_tail = 0
-        self._lines = base + nl + buf.count("\n", counted, end)
+        self._lines = base + nl + buf.count("\n", counted, end) + len(joins)
+        self._midline = raw_last != "\n"
         if end:
-            self._midline = buf[end - 1] != "\n"
             piece = buf[max(0, end - TAIL_CHARS):end]
             self._tail.append(piece)
             self._tail_len += len(piece)
@@ -269,7 +330,9 @@ class Scanner:
 
     # ------------------------------------------------------------------------------ messages over lines
     def _following(self, n: int) -> list[str] | None:
-        """Up to ``n`` lines after the current segment, in this buffer; None when it ends before the first."""
+        """Up to ``n`` lines after the current segment, in this buffer, as their program printed them (prefixes off):
+        of the same rank when the current line has one (ranks interleave), a few other ranks' lines skipped. None when
+        the buffer ends before the first."""
         buf, at, end = self._buf, self._seg_end, self._buf_end
         if at + 1 < end and buf[at] == "\r" and buf[at + 1] == "\n":
             at += 1  # a CRLF line end (Windows, PowerShell)
@@ -277,14 +340,22 @@ class Scanner:
             return []  # the segment ended at a \r: a bar redraw, not a wrapped message
         if at + 1 >= end:
             return None
-        out = []
+        rank = self._line.rank
+        out: list[str] = []
         at += 1
+        skipped = 0
         while len(out) < n and at < end:
             e = buf.find("\n", at, min(end, at + JOIN_MAX))
             if e < 0:
                 e = min(end, at + JOIN_MAX)
-            out.append(buf[at:e].strip())
+            line = strip_prefixes(buf[at:e].strip())
             at = e + 1
+            if rank is not None and line.rank is not None and line.rank != rank:
+                skipped += 1
+                if skipped > 4 * n:
+                    break
+                continue
+            out.append(line.text.strip())
         return out
 
     def _try_join(self, key: str, rx: Any, name: str, seg: str, lineno: int) -> bool:
@@ -398,18 +469,57 @@ class Scanner:
             self._max_step = n
 
     def _segment(self, seg: str, lineno: int) -> None:
+        """One candidate line: made logical (prefixes off, kept as its rank and time), then matched by the rules.
+
+        A line where a rule's key is present but no rule fires is tried once more with the words of the message
+        tables put back together (a wrap that became a space inside a word)."""
         if "\x1b" in seg:
             seg = P.ANSI_RE.sub("", seg)
-        if "it/s" in seg or "s/it" in seg:
+        line = strip_prefixes(seg)
+        self._phys, self._line = seg, line
+        text = line.text
+        if "it/s" in text or "s/it" in text:
             self._resolve_progress()
-            self._tqdm(seg)
-        if "skipped=" in seg:
+            self._tqdm(text)
+        if "skipped=" in text:
             self._resolve_progress()
-            self._ds_step_line(seg)
+            self._ds_step_line(text)
+        fired, keyed = self._rules(text, lineno)
+        if keyed and not fired:
+            fixed = rejoin(text, P.VOCABULARY)
+            if fixed is not text:
+                self._line = line._replace(text=fixed)
+                fired = self._rules(fixed, lineno)[0]
+                text = fixed
+        if self._tb_open:  # a traceback's frames and exception line: only while one is open (handlers_crash)
+            try:
+                m = P.FRAME_RE.search(text) if 'File "' in text else None
+                if m is not None:
+                    self._on_frame(m, text, lineno)
+                    fired = True
+                else:
+                    m = P.EXC_LINE_RE.search(text)
+                    if m is not None:
+                        self._resolve_progress()
+                        n = self._tb_n
+                        self._on_exc_line(m, text, lineno)
+                        fired = fired or self._tb_n != n
+            except Exception:  # noqa: BLE001
+                self._internal_errors += 1
+        if not fired:
+            try:
+                self._on_unknown_line(text, lineno)
+            except Exception:  # noqa: BLE001
+                self._internal_errors += 1
+
+    def _rules(self, text: str, lineno: int) -> tuple[bool, bool]:
+        """Run the rules whose key is in ``text``: whether one fired, and whether a key was there at all."""
         fired: set[str] = set()
+        keyed = False
         for key, rx, name in _RULES:
-            if key in seg and name not in fired:
-                m = rx.search(seg)
+            if key in text and name not in fired:
+                keyed = True
+                m = rx.search(text)
                 if m is None and name not in P.JOINS:
                     continue
                 if not fired:
@@ -417,31 +527,30 @@ class Scanner:
                 fired.add(name)
                 try:
                     if m is not None:
-                        getattr(self, name)(m, seg, lineno)
-                    elif not self._try_join(key, rx, name, seg, lineno):
+                        getattr(self, name)(m, text, lineno)
+                    elif not self._try_join(key, rx, name, text, lineno):
                         fired.discard(name)
                 except Exception:  # noqa: BLE001 -- one odd line must not cost the rest of the log
                     self._internal_errors += 1
-        if self._tb_open:  # a traceback's frames and exception line: only while one is open (handlers_crash)
-            try:
-                m = P.FRAME_RE.search(seg) if 'File "' in seg else None
-                if m is not None:
-                    self._on_frame(m, seg, lineno)
-                else:
-                    m = P.EXC_LINE_RE.search(seg)
-                    if m is not None:
-                        self._resolve_progress()
-                        self._on_exc_line(m, seg, lineno)
-            except Exception:  # noqa: BLE001
-                self._internal_errors += 1
+        return bool(fired), keyed
 
     def _event(self, lineno: int, event: str, seg: str, step: Any = CURRENT) -> dict:
-        e = {"line": lineno, "step": self._step if step is CURRENT else step, "event": event, "text": clip(seg)}
+        e = {"line": lineno, "step": self._step if step is CURRENT else step, "event": event, "text": self._quote(seg)}
+        line = self._line
+        if seg is line.text:
+            if line.rank is not None:
+                e["rank"] = line.rank
+            if line.time is not None:
+                e["time"] = line.time
         self._timeline.append(e)
         self._counts[event] += 1
         return e
 
-    @staticmethod
-    def _rank(seg: str) -> int | None:
-        m = P.RANK_PREFIX_RE.match(seg)
-        return int(m.group(1)) if m else None
+    def _quote(self, seg: str, n: int = TEXT_MAX) -> str:
+        """What evidence quotes for ``seg``: the physical line as the file has it when ``seg`` is the line being
+        handled (prefixes and all), else ``seg`` itself."""
+        return clip(self._phys if seg is self._line.text else seg, n)
+
+    def _rank(self, seg: str) -> int | None:
+        """The rank a line's prefix gives (``[rank3]:``, ``3: ``, ``[1,3]<stderr>:``, ``[rank: 3]``)."""
+        return self._line.rank if seg is self._line.text else strip_prefixes(seg).rank
