@@ -207,12 +207,23 @@ def test_nccl_watchdog_timeout_deduplicated_and_the_abort_explained():
         3126, 1, "gpu-node-03")
 
 
-def test_nccl_error_and_its_system_error_code():
-    f = by_id(fixture_report("nccl_error.log"))["comm.nccl-error"]
+def test_nccl_error_explained_by_the_socket_warning_before_it():
+    """The NCCL WARN line says why the system error happened: a network finding naming the peer, with the NCCL
+    error lines as its evidence (one finding, not two)."""
+    ids = by_id(fixture_report("nccl_error.log"))
+    f = ids["comm.network"]
+    assert f.severity == "fail" and "10.0.0.12<45117>" in f.title and "connection abort" in f.title
+    assert {e["kind"] for e in f.data["nccl_errors"]} == {"NCCL error", "ncclSystemError"}
+    assert f.data["nccl_errors"][0]["rank"] == 0 and f.data["events"][0]["host"] == "gpu-node-01"
+    assert any("NCCL_SOCKET_IFNAME" in x for x in f.fix)
+    assert "comm.nccl-error" not in ids
+
+
+def test_nccl_system_error_without_a_warning_is_the_nccl_error():
+    lines = [line for line in (FIX / "nccl_error.log").read_text().splitlines() if "socketStartConnect" not in line]
+    f = by_id(analyze_lines(lines))["comm.nccl-error"]
     assert f.severity == "fail" and "unhandled system error" in f.title
-    kinds = {e["kind"] for e in f.data["errors"]}
-    assert kinds == {"NCCL error", "ncclSystemError"}
-    assert f.data["errors"][0]["rank"] == 0 and f.data["warnings"] == 1
+    assert {e["kind"] for e in f.data["errors"]} == {"NCCL error", "ncclSystemError"}
     assert any("NCCL_SOCKET_IFNAME" in x for x in f.fix)
 
 

@@ -10,7 +10,7 @@ import signal as _signal
 from typing import Any
 
 from . import patterns as P
-from .common import CURRENT, MAX_KEYS, add, clip, num, seen, signal_name
+from .common import CURRENT, add, clip, num, seen, signal_name
 from .handlers_crash import CrashHandlers
 
 _OOM_ERROR_LINE = re.compile(r"(?<!except )(?<!except\()\b(?:\w+\.)*OutOfMemoryError: \S|CUDA error: out of memory")
@@ -48,19 +48,6 @@ class Handlers(CrashHandlers):
         self._hf_norm_nf_tail = 0      # ... and the non-finite ones since the last finite one
         self._norm_nf_end: int | None = None  # end of the last such segment in the current buffer
         self._hf_norm_nf_finite_loss = 0
-        # NCCL
-        self._nccl_timeouts: list[dict] = []
-        self._nccl_timeout_keys: set = set()
-        self._nccl_timeout_n = 0
-        self._nccl_timeout_ranks: set[int] = set()
-        self._nccl_timeout_first: dict | None = None  # the lowest SeqNum of all timeouts: the collective that hung
-        self._nccl_heartbeat: list[dict] = []
-        self._nccl_abort_n = 0
-        self._nccl_errors: list[dict] = []
-        self._nccl_error_n = 0
-        self._nccl_error_keys: set = set()
-        self._nccl_warns: list[dict] = []
-        self._nccl_warn_n = 0
         # memory
         self._cuda_oom: list[dict] = []
         self._cuda_oom_n = 0
@@ -218,57 +205,6 @@ class Handlers(CrashHandlers):
             self._norm_nf_end = self._seg_end
         if self._norm_first is None:
             self._norm_first = {"line": lineno, "step": e["step"], "key": m["key"], "text": e["text"]}
-
-    # -------------------------------------------------------------------------------------------- NCCL
-    def _on_nccl_timeout(self, m: re.Match, seg: str, lineno: int) -> None:
-        rank = int(m["rank"]) if m["rank"] else self._rank(seg)
-        key = (rank, m["seq"], m["op"])
-        if seen(self._nccl_timeout_keys, key):
-            return
-        self._event(lineno, "nccl-timeout", seg)
-        self._nccl_timeout_n += 1
-        if rank is not None and len(self._nccl_timeout_ranks) < MAX_KEYS:
-            self._nccl_timeout_ranks.add(rank)
-        d = {"line": lineno, "step": self._step, "rank": rank, "op": m["op"], "seq": int(m["seq"]),
-             "numel": int(m["numel"]) if m["numel"] else None, "timeout_ms": int(m["tmo"]) if m["tmo"] else None,
-             "ran_ms": int(m["ran"]) if m["ran"] else None, "text": self._quote(seg)}
-        add(self._nccl_timeouts, d)
-        if self._nccl_timeout_first is None or d["seq"] < self._nccl_timeout_first["seq"]:
-            self._nccl_timeout_first = d
-
-    def _on_nccl_heartbeat(self, m: re.Match, seg: str, lineno: int) -> None:
-        self._event(lineno, "nccl-heartbeat-timeout", seg)
-        add(self._nccl_heartbeat, {"line": lineno, "rank": int(m["rank"]) if m["rank"] else self._rank(seg),
-                                    "text": self._quote(seg)}, 8)
-
-    def _on_nccl_abort(self, m: re.Match, seg: str, lineno: int) -> None:
-        self._nccl_abort_n += 1
-        if self._nccl_abort_n <= 8:
-            self._event(lineno, "nccl-abort", seg)
-
-    def _nccl_error(self, lineno: int, seg: str, kind: str, detail: str | None = None, **extra: Any) -> None:
-        if seen(self._nccl_error_keys, (kind, detail, self._rank(seg))):
-            return
-        self._event(lineno, "nccl-error", seg)
-        self._nccl_error_n += 1
-        add(self._nccl_errors, {"line": lineno, "step": self._step, "kind": kind, "detail": detail,
-                                 "rank": self._rank(seg), "text": self._quote(seg), **extra})
-
-    def _on_nccl_error(self, m: re.Match, seg: str, lineno: int) -> None:
-        reason = (m["reason"] or "").strip() or None
-        self._nccl_error(lineno, seg, "NCCL error", reason, version=m["ver"])
-
-    def _on_nccl_code(self, m: re.Match, seg: str, lineno: int) -> None:
-        self._nccl_error(lineno, seg, "nccl" + m["code"], (m["detail"] or "").strip() or None)
-
-    def _on_nccl_aborted(self, m: re.Match, seg: str, lineno: int) -> None:
-        self._nccl_error(lineno, seg, "communicator aborted", f"rank {m.group(1)}")
-
-    def _on_nccl_warn(self, m: re.Match, seg: str, lineno: int) -> None:
-        self._nccl_warn_n += 1
-        if self._nccl_warn_n <= 16:
-            self._event(lineno, "nccl-warn", seg)
-            self._nccl_warns.append({"line": lineno, "text": self._quote(seg)})
 
     # ------------------------------------------------------------------------------------------ memory
     def _on_cuda_oom(self, m: re.Match, seg: str, lineno: int) -> None:

@@ -30,7 +30,7 @@ class Judges(ProcessJudge, CrashJudge):
     def _judge(self) -> list[Finding]:
         self._resolve_progress()
         out: list[Finding] = []
-        for fn in (self._judge_fp16, self._judge_grad, self._judge_loss, self._judge_nccl, self._judge_cuda_oom,
+        for fn in (self._judge_fp16, self._judge_grad, self._judge_loss, self._judge_families, self._judge_cuda_oom,
                    self._judge_cuda, self._judge_process, self._judge_build, self._judge_config):
             out.extend(fn())
         out.extend(self._judge_exception(out))
@@ -57,6 +57,9 @@ class Judges(ProcessJudge, CrashJudge):
                                data={"lines": self._lines, "last_step": self._step}))
         return out
 
+
+    def _judge_families(self) -> list[Finding]:
+        return [f for family in self._families for f in family.judge()]
 
     def _skipped(self) -> int:
         return self._scale.skipped(self._ds_skipped)
@@ -146,79 +149,6 @@ class Judges(ProcessJudge, CrashJudge):
                         {"first_step": f["step"], "first_line": f["line"], "first_text": f["text"],
                          "first_epoch": f.get("epoch"), "count": self._loss_nf, "recovered": self._loss_recovered,
                          "hidden_by_nan_inf_filter": self._loss_hidden})]
-
-    def _judge_nccl(self) -> list[Finding]:
-        out = []
-        comm_fix = ("torchdoctor comm (under torchrun/srun, or --local N) checks that every rank can reach every "
-                    "other and names the one that cannot; --bench measures the bandwidth")
-        if self._nccl_timeout_n or self._nccl_heartbeat:
-            t = self._nccl_timeouts
-            ev = [f"line {x['line']}: {x['text']}" for x in t[:3]]
-            if self._nccl_timeout_n > 3:
-                ev.append(f"... {self._nccl_timeout_n - 3} more timeout(s)")
-            ev += [f"line {x['line']}: {x['text']}" for x in self._nccl_heartbeat[:2]]
-            if self._nccl_abort_n:
-                ev.append(f"'Some NCCL operations have failed or timed out' x{self._nccl_abort_n}: the ranks "
-                          "took the process down")
-            ranks = sorted(self._nccl_timeout_ranks)
-            first = self._nccl_timeout_first
-            if first is not None:
-                # collectives run in SeqNum order on every rank: the lowest one is where a rank stopped following
-                later = sorted({x["seq"] for x in t if x["seq"] != first["seq"]})
-                more = ""
-                if later:
-                    shown = ", ".join(map(str, later[:3])) + (", ..." if len(later) > 3 else "")
-                    more = f" (earliest; later SeqNum {shown} timed out too)"
-                secs = f" after {first['ran_ms'] / 1000:.0f} s" if first["ran_ms"] else ""
-                title = (f"NCCL collective timed out: {first['op']} SeqNum={first['seq']}{more} on rank(s) "
-                         f"{', '.join(map(str, ranks[:16])) or '?'}{secs}")
-            else:
-                title = "NCCL watchdog heartbeat timed out: a rank is hung"
-            fix = [
-                comm_fix,
-                "with a healthy network a timeout means one rank never entered the collective: find the rank missing "
-                "from these lines (stuck in data loading, a rank-0-only branch that calls a collective, uneven batch "
-                "counts); TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 dumps every rank's last "
-                "collectives",
-                "raise the timeout only for legitimately long steps (checkpoint save, first compile): "
-                "deepspeed.init_distributed(timeout=timedelta(minutes=60)), init_process_group(timeout=...), or "
-                "TrainingArguments(ddp_timeout=3600)",
-            ]
-            out.append(Finding("comm.nccl-timeout", "fail", title, ev, fix,
-                               {"count": self._nccl_timeout_n, "ranks": ranks[:256], "timeouts": list(t),
-                                "earliest": dict(first) if first is not None else None,
-                                "heartbeat_timeouts": list(self._nccl_heartbeat), "aborts": self._nccl_abort_n}))
-        if self._nccl_error_n or (self._nccl_abort_n and not out):
-            errs = self._nccl_errors
-            kinds = [e["detail"] if e["kind"] == "NCCL error" and e["detail"] else
-                     e["kind"] if not e["detail"] else f"{e['kind']}: {e['detail']}" for e in errs]
-            ev = [f"line {e['line']}: {e['text']}" for e in errs[:4]]
-            if self._nccl_error_n > 4:
-                ev.append(f"... {self._nccl_error_n - 4} more")
-            ev += [f"line {w['line']}: {w['text']}" for w in self._nccl_warns[:3]]
-            text = " ".join(kinds).lower()
-            fix = [comm_fix, "rerun with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET to see which transport fails"]
-            if "system" in text:
-                fix.append("unhandled system error: usually the network interface or shared memory: set "
-                           "NCCL_SOCKET_IFNAME to the interface that links the nodes, give containers --ipc=host or "
-                           "a larger --shm-size, try NCCL_IB_DISABLE=1 to rule out InfiniBand")
-            if "remote" in text or "aborted" in text:
-                fix.append("a remote error or an aborted communicator means another rank failed first: look for the "
-                           "earliest error or kill in the log")
-            if "cuda" in text:
-                fix.append("unhandled cuda error: a CUDA error on that rank (out of memory, illegal access); see the "
-                           "lines before it, rerun with CUDA_LAUNCH_BLOCKING=1")
-            if "internal" in text:
-                fix.append("internal error: mismatched NCCL versions between nodes or a corrupted install; compare "
-                           "torch.cuda.nccl.version() on every node (torchdoctor env)")
-            title = f"NCCL error: {kinds[0]}" if kinds else "NCCL operations failed"
-            out.append(Finding("comm.nccl-error", "fail", title, ev, fix,
-                               {"count": self._nccl_error_n, "errors": list(errs), "warnings": self._nccl_warn_n}))
-        elif self._nccl_warn_n and not out:
-            out.append(Finding("comm.nccl-warn", "info", f"{self._nccl_warn_n} NCCL warning(s), no NCCL failure",
-                               [f"line {w['line']}: {w['text']}" for w in self._nccl_warns[:3]], [],
-                               {"count": self._nccl_warn_n, "warnings": list(self._nccl_warns)}))
-        return out
 
     def _judge_cuda_oom(self) -> list[Finding]:
         if not self._cuda_oom_n:

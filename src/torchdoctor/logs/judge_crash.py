@@ -14,12 +14,13 @@ from __future__ import annotations
 from ..findings import Finding
 from . import patterns as P
 from .common import clip
+from .families import FAMILIES
 from .lines import ERROR_LEVELS, strip_prefixes
 
 #: Timeline events that name a cause: a traceback whose lines hold one is explained by that finding.
 CAUSE_EVENTS = frozenset({
-    "cuda-oom", "nccl-timeout", "nccl-error", "nccl-abort", "nccl-heartbeat-timeout", "scale-min", "cuda-mismatch",
-    "cuda-home", "compiler-error", "build-failed", "config-error", "cuda-error", "host-oom", "xid"})
+    "cuda-oom", "scale-min", "cuda-mismatch", "cuda-home", "compiler-error", "build-failed", "config-error",
+    "cuda-error", "host-oom", "xid"}).union(*(f.CAUSE_EVENTS for f in FAMILIES))
 LAUNCHER_TYPES = ("ChildFailedError", "CalledProcessError", "ProcessRaisedException", "ProcessExitedException",
                   "SystemExit")
 #: Launcher code: a traceback whose innermost frame is here (and none in the user's code) is the launcher's.

@@ -112,8 +112,8 @@ class ProcessJudge:
                     ev += run["evidence"]
             elif sig == 6:
                 cause = "an abort (a C++ exception: NCCL watchdog, CUDA error)"
-                if self._nccl_timeout_n or self._nccl_error_n:
-                    cause = "an abort after the NCCL failure above"
+                if any(f.failed for f in self._families):
+                    cause = "an abort after the communication failure above"
                     sev = "warn"  # explained (and failed) by the comm finding
                 fix = ["the cause is the error printed just before the abort; see the other findings"]
             elif sig in (11, 4, 8):

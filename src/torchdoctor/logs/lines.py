@@ -4,6 +4,7 @@ A physical line of a log is rarely the line its program printed. Launchers and l
 (torchrun's ``[rank3]:``, ``srun --label``'s ``3: ``, mpirun's ``[1,3]<stderr>:``, pdsh's ``worker-1: ``, timestamps,
 DeepSpeed's ``[2024-..] [INFO] [engine.py:12:step]``, the HF/LlamaFactory ``[INFO|2024-..] module:12 >>``, loguru's
 ``| INFO     | mod:fn:12 -``, NeMo's ``[NeMo I 2024-.. mod:12]``, c10's and glog's ``[E424 01:11:21.16 file.cpp:629]``,
+NCCL's ``node1:2211:2290 [0]``,
 Lightning's ``[rank: 1]``, Ray's ``(RayTrainWorker pid=12, ip=..)``, a pasted ``> `` quote), a terminal cuts a long line
 at its width and a paste keeps the cut (``... OpTy`` / ``pe=BROADCAST``), a copy through a web page turns that cut into
 a space (``OpTy pe=``), and tqdm writes the next message on the line of its bar (``6.7s/it][INFO|..] ...``,
@@ -51,6 +52,7 @@ PREFIX_RE = re.compile(
     r"|\((?:\w+[ ])?pid=\d+(?:,[ ]ip=[\w.:-]+)?\)[ ]"                          # Ray's worker prefix
     r"|>[ ]?(?=\S)"                                                           # a quoted paste
     r"|\[\d+\][ ](?=\S)"                                                      # [80746] line numbers
+    r"|(?P<nccl>[\w.-]+):\d+:\d+[ ]\[\d+\][ ]"                                  # NCCL's host:pid:tid [dev]
     r"|(?P<host>[a-z][a-z0-9]*(?:-[a-z0-9]+)+|[a-z]+\d+)(?=:[ ](?:\[|\S+[ ]*:|Traceback|[A-Z]))"  # pdsh host
     r"(?::[ ])?"
 )
@@ -85,8 +87,8 @@ def strip_prefixes(line: str) -> Logical:
         if m is None or m.end() == pos or m.end() >= n:
             break
         pos = m.end()
-        if m["host"] is not None:
-            host = host or m["host"]
+        if m["host"] is not None or m["nccl"] is not None:
+            host = host or m["host"] or m["nccl"]
             continue
         for g in _RANK_GROUPS:
             if m[g] is not None:

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import re
 
-from .lines import vocabulary
-
 NUM = r"[-+]?\d+(?:\.\d*)?(?:[eE][+-]?\d+)?"
 _SIZE = r"\d+(?:\.\d+)?\s?[KMGTP]?i?B"
 
@@ -52,9 +50,6 @@ SCAN_ANCHORS = (
     # DeepSpeed fp16 loss scaling
     "OVERFLOW", "verflow", "Reducing dynamic", "Increasing dynamic", "Using static loss", "Current loss scale",
     "Exception: ", "Grad Scale:",
-    # NCCL / c10d
-    "Watchdog caught", "Heartbeat monitor timed out", "NCCL", "InternalError", "SystemError", "UnhandledCudaError",
-    "RemoteError", "InvalidUsage", "InvalidArgument",
     # memory
     "CUDA out of memory", "OutOfMemoryError", "Out of memory", "Killed", "killed  ", "OOM",
     "CPU Virtual Memory", "Max_MA",
@@ -76,7 +71,7 @@ SCAN_ANCHORS = (
 )
 
 
-def _by_first_char(words: tuple[str, ...]) -> str:
+def by_first_char(words: tuple[str, ...]) -> str:
     """``a|b|...`` grouped by first character (``O(?:VERFLOW|OM|...)|...``): at a position whose character starts
     an anchor, `re` then tries one branch per first character instead of every anchor (25% faster on real logs,
     2.5x on a run of such a character)."""
@@ -87,7 +82,6 @@ def _by_first_char(words: tuple[str, ...]) -> str:
                     for c, rest in groups.items())
 
 
-SCAN_RE = re.compile(_by_first_char(SCAN_ANCHORS))
 #: Process exits, searched on their own: one shared prefix is found by a fast literal search, where inside SCAN_RE
 #: every "x" (a line of x's: 20 MB/s) made `re` try them.
 EXIT_SCAN_RE = re.compile(r"xit(?:s with return code|code| code|ed with)")
@@ -161,21 +155,6 @@ HF_ZERO_LOSS_RE = re.compile(r"""['"]loss['"]:[ \t]*['"]?[-+]?0(?:\.0*)?(?:[eE][
 #: A finite Trainer grad_norm (searched once per chunk after a non-finite one, like FINITE_LOSS_RE).
 HF_FINITE_NORM_RE = re.compile(r"""['"]grad_norm['"]:[ \t]*['"]?[-+]?(?:\d|\.\d)""")
 EPOCH_RE = re.compile(r"""['"]epoch['"]:[ \t]*['"]?(\d+(?:\.\d+)?)""")
-
-# NCCL / c10d
-NCCL_TIMEOUT_RE = re.compile(
-    r"(?:\[Rank (?P<rank>\d+)\] )?Watchdog caught collective operation timeout: WorkNCCL\("
-    r"SeqNum=(?P<seq>\d+), OpType=(?P<op>\w+)(?:, NumelIn=(?P<numel>\d+))?[^)]*?(?:Timeout\(ms\)=(?P<tmo>\d+))?\)"
-    r"(?: ran for (?P<ran>\d+) milliseconds before timing out)?")
-NCCL_HEARTBEAT_RE = re.compile(r"(?:Rank (?P<rank>\d+)\] )?Heartbeat monitor timed out")
-NCCL_ABORT_RE = re.compile(r"Some NCCL operations have failed or timed out")
-NCCL_ERROR_RE = re.compile(
-    r"NCCL error(?: in: (?P<where>\S+?))?[,:] (?P<reason>.*?)(?:, NCCL version (?P<ver>[\w.+-]+))?\s*$")
-NCCL_CODE_RE = re.compile(
-    r"nccl(?P<code>InternalError|SystemError|UnhandledCudaError|RemoteError|InvalidUsage|InvalidArgument)"
-    r"(?::\s*(?P<detail>.*))?")
-NCCL_ABORTED_RE = re.compile(r"NCCL communicator was aborted on rank (\d+)")
-NCCL_WARN_RE = re.compile(r"NCCL WARN (.*)")
 
 # memory
 CUDA_OOM_RE = re.compile(rf"CUDA out of memory\.(?: Tried to allocate (?P<req>{_SIZE}))?")
@@ -323,13 +302,6 @@ RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ("Grad Scale:", GRAD_SCALE_RE, "_on_grad_scale"),
     ("oss", LOSS_RE, "_on_loss"),
     ("_norm", NORM_RE, "_on_norm"),
-    ("Watchdog caught", NCCL_TIMEOUT_RE, "_on_nccl_timeout"),
-    ("Heartbeat monitor timed out", NCCL_HEARTBEAT_RE, "_on_nccl_heartbeat"),
-    ("Some NCCL operations", NCCL_ABORT_RE, "_on_nccl_abort"),
-    ("NCCL error", NCCL_ERROR_RE, "_on_nccl_error"),
-    ("nccl", NCCL_CODE_RE, "_on_nccl_code"),
-    ("NCCL communicator was aborted", NCCL_ABORTED_RE, "_on_nccl_aborted"),
-    ("NCCL WARN", NCCL_WARN_RE, "_on_nccl_warn"),
     ("CUDA out of memory", CUDA_OOM_RE, "_on_cuda_oom"),
     ("ut of memory", CUDA_OOM_ERROR_RE, "_on_cuda_oom_error"),
     ("OutOfMemoryError", CUDA_OOM_ERROR_RE, "_on_cuda_oom_error"),
@@ -391,6 +363,3 @@ RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
 #: completes (the log was cut) is handled with what it says.
 JOINS: dict[str, re.Pattern[str]] = {"_on_torch_cuda_mismatch": TORCH_CUDA_MISMATCH_HEAD_RE}
 
-#: The words of the message tables above (anchors and rule regexes): a word a wrap cut with a space is put back
-#: together only into one of these (lines.rejoin).
-VOCABULARY = vocabulary(*SCAN_ANCHORS, *NEEDLES, *(rx.pattern for _, rx, _ in RULES))

@@ -11,6 +11,7 @@ lines that follow it before it is matched (``patterns.JOINS``).
 from __future__ import annotations
 
 import codecs
+import re
 from bisect import bisect_right
 from collections import deque
 from typing import Any
@@ -29,9 +30,17 @@ from .common import (
     clip,
     num,
 )
-from .lines import WRAP_SAMPLE, Logical, bar_end, dewrap, rejoin, strip_prefixes, wrap_width
+from .families import FAMILIES
+from .lines import WRAP_SAMPLE, Logical, bar_end, dewrap, rejoin, strip_prefixes, vocabulary, wrap_width
 
-_RULES = tuple((key, rx, name) for key, rx, name in P.RULES)
+#: the prefilter over every family's anchors (patterns.SCAN_ANCHORS and each family's ANCHORS), and the needles
+SCAN_RE = re.compile(P.by_first_char(tuple(dict.fromkeys(
+    P.SCAN_ANCHORS + tuple(a for f in FAMILIES for a in f.ANCHORS)))))
+NEEDLES = tuple(dict.fromkeys(P.NEEDLES + tuple(n for f in FAMILIES for n in f.NEEDLES)))
+#: the words of every message table: a word a wrap cut with a space is put back together only into one of these
+VOCABULARY = vocabulary(*P.SCAN_ANCHORS, *P.NEEDLES, *(rx.pattern for _, rx, _ in P.RULES),
+                        *(a for f in FAMILIES for a in f.ANCHORS),
+                        *(rx.pattern for f in FAMILIES for _, rx, _ in f.RULES))
 SNIFF_BYTES = 4096   # bytes read before the encoding is chosen
 _UNDECIDED = object()  # the wrap width before the stream's first WRAP_SAMPLE characters are in
 TAIL_CHARS = 4096    # characters of the end of the output kept for last_lines()
@@ -94,6 +103,10 @@ class Scanner:
         self._held: list[str] = []
         self._held_n = 0
         self._wrap_carry = ""      # a last line of exactly the width: its rest may be the next piece's first line
+        # the failure families (collaborators, families/) and the rules of all: (key, regex, name, bound handler)
+        self._families = [family(self) for family in FAMILIES]
+        self._rule_table = [(key, rx, name, getattr(self, name)) for key, rx, name in P.RULES] + [
+            (key, rx, name, getattr(f, name)) for f in self._families for key, rx, name in f.RULES]
         self._phys = ""            # the candidate line being handled, as the file has it ...
         self._line = Logical("")   # ... and as its program printed it (lines.strip_prefixes)
         # progress
@@ -247,11 +260,11 @@ class Scanner:
             self._finish_join(buf, end)
         if self._frame_pending is not None or self._cpp_pending is not None or self._archs_pending:
             self._finish_pending(buf, end)
-        pos = [m.start() for m in P.SCAN_RE.finditer(buf, 0, end)]
+        pos = [m.start() for m in SCAN_RE.finditer(buf, 0, end)]
         pos += [m.start() for m in P.EXIT_SCAN_RE.finditer(buf, 0, end)]
         pos += [m.start() for m in P.LOSS_SCAN_RE.finditer(buf, 0, end)]
         pos += [m.start() for m in P.NORM_SCAN_RE.finditer(buf, 0, end)]
-        for needle in P.NEEDLES:
+        for needle in NEEDLES:
             i = buf.find(needle, 0, end)
             while i >= 0:
                 pos.append(i)
@@ -486,7 +499,7 @@ class Scanner:
             self._ds_step_line(text)
         fired, keyed = self._rules(text, lineno)
         if keyed and not fired:
-            fixed = rejoin(text, P.VOCABULARY)
+            fixed = rejoin(text, VOCABULARY)
             if fixed is not text:
                 self._line = line._replace(text=fixed)
                 fired = self._rules(fixed, lineno)[0]
@@ -516,7 +529,7 @@ class Scanner:
         """Run the rules whose key is in ``text``: whether one fired, and whether a key was there at all."""
         fired: set[str] = set()
         keyed = False
-        for key, rx, name in _RULES:
+        for key, rx, name, handler in self._rule_table:
             if key in text and name not in fired:
                 keyed = True
                 m = rx.search(text)
@@ -527,7 +540,7 @@ class Scanner:
                 fired.add(name)
                 try:
                     if m is not None:
-                        getattr(self, name)(m, text, lineno)
+                        handler(m, text, lineno)
                     elif not self._try_join(key, rx, name, text, lineno):
                         fired.discard(name)
                 except Exception:  # noqa: BLE001 -- one odd line must not cost the rest of the log
@@ -550,6 +563,28 @@ class Scanner:
         """What evidence quotes for ``seg``: the physical line as the file has it when ``seg`` is the line being
         handled (prefixes and all), else ``seg`` itself."""
         return clip(self._phys if seg is self._line.text else seg, n)
+
+    # -------------------------------------------------------------- what a family may ask (families.LineContext)
+    @property
+    def step(self) -> int | None:
+        """The training step the log is at (the last progress bar or step line before this one)."""
+        return self._step
+
+    def event(self, lineno: int, kind: str, text: str, step: Any = CURRENT) -> dict:
+        return self._event(lineno, kind, text, step)
+
+    def quote(self, text: str, n: int = TEXT_MAX) -> str:
+        return self._quote(text, n)
+
+    def rank_of(self, text: str) -> int | None:
+        return self._rank(text)
+
+    def host_of(self, text: str) -> str | None:
+        """The host a line's prefix names (pdsh's ``worker-1:``, NCCL's ``node1:123:456 [0]``)."""
+        return self._line.host if text is self._line.text else strip_prefixes(text).host
+
+    def following(self, n: int) -> list[str] | None:
+        return self._following(n)
 
     def _rank(self, seg: str) -> int | None:
         """The rank a line's prefix gives (``[rank3]:``, ``3: ``, ``[1,3]<stderr>:``, ``[rank: 3]``)."""
