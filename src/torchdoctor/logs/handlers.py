@@ -12,9 +12,28 @@ from typing import Any
 from . import patterns as P
 from .common import CURRENT, add, clip, num, seen, signal_name
 from .handlers_crash import CrashHandlers
+from .nonfinite import NonfiniteMessage
+from .scalers import ScalerMessage, scale_of_lg
 
 _OOM_ERROR_LINE = re.compile(r"(?<!except )(?<!except\()\b(?:\w+\.)*OutOfMemoryError: \S|CUDA error: out of memory")
 _NONFINITE_WORDS = ("nan", "inf", "-inf", "+inf", "infinity", "-infinity")
+
+
+_EVAL_WORDS_RE = re.compile(r"(?i)\b(?:val|valid|validation|eval|evaluation|evaluating|test|dev)\b")
+
+
+def loss_name(key: str, before: str = "") -> str:
+    """One name for one loss, however a trainer spells it: ``loss``, ``Loss``, ``train_loss``, Lightning's
+    ``train_loss_step`` / ``train_loss_epoch`` are one; ``val_loss``, ``eval_loss`` are others, and so is a ``Loss``
+    on a line that says it is validating (``Valid Epoch: 16 Loss: nan``: ``before`` is the line up to the key)."""
+    key = key.lower()
+    if before and _EVAL_WORDS_RE.search(before):
+        key = "val_" + key
+    for p in ("training_", "train_", "tr_"):
+        key = key.removeprefix(p)
+    for sfx in ("_step", "_epoch"):
+        key = key.removesuffix(sfx)
+    return key
 
 
 def _nonfinite(text: str | None) -> bool:
@@ -41,6 +60,9 @@ class Handlers(CrashHandlers):
         self._loss_first: dict | None = None
         self._loss_last: dict | None = None
         self._loss_recovered = False
+        self._loss_stopped: dict | None = None  # a tool said it stopped the run on the non-finite loss (nonfinite.py)
+        self._nf_keys: dict[str, int] = {}  # loss name -> where its last non-finite value ends in the current buffer
+        self._grad_said: list[dict] = []    # non-finite gradients a tool reported in words (nonfinite.MESSAGES)
         self._loss_hidden = 0          # Trainer dicts whose 'loss': 0.0 hides a NaN (see _on_norm)
         self._norm_nf = 0
         self._norm_first: dict | None = None
@@ -141,6 +163,35 @@ class Handlers(CrashHandlers):
             elif 0 <= v <= 64:
                 self._scale.configure(init_scale=2.0 ** v)
 
+    def _on_scaler(self, spec: ScalerMessage, m: re.Match, seg: str, lineno: int) -> None:
+        """A line of another trainer's dynamic loss scaler (scalers.MESSAGES), read into the same trajectory."""
+        t = self._scale
+        t.use_trainer(spec.trainer, spec.floor, spec.init, spec.hint)
+        groups = m.re.groupindex
+        if spec.kind == "min":
+            self._event(lineno, "scale-min", seg)
+            t.raised(lineno, self._step, self._quote(seg),
+                     f"{spec.trainer}'s loss scaler reached its minimum ({m['min']}) and stopped the run")
+            return
+        if spec.kind == "rise":
+            t.rise(float(m["up"]), lineno, self._step)
+            self._event(lineno, "scale-up", seg)
+            return
+        if spec.kind == "announce":  # the scale that overflowed, printed after "Grad overflow on iteration N"
+            att = float(m["att"])
+            t.dynamic += 1
+            t.point(att, max(att / 2, spec.floor or 0.0), lineno, self._step)
+            return
+        e = self._event(lineno, "overflow", seg)
+        t.count_overflow(self._rank(seg), e)
+        t.dynamic += 1
+        if "lg" in groups:
+            lg = float(m["lg"])
+            t.point(scale_of_lg(lg + 1), scale_of_lg(lg), lineno, self._step)
+        elif "new" in groups:
+            new = float(m["new"])
+            t.point(t.last if t.last is not None and t.last > new else new * 2, new, lineno, self._step)
+
     def _on_megatron_iteration(self, m: re.Match, seg: str, lineno: int) -> None:
         it = P.MEGATRON_ITER_RE.search(seg)
         if it:
@@ -167,12 +218,17 @@ class Handlers(CrashHandlers):
 
     # -------------------------------------------------------------------------------------- losses
     def _nonfinite_loss(self, seg: str, lineno: int, key: str, value: str, hidden: bool = False) -> None:
+        if self._loss_last is not None and self._loss_last["line"] == lineno:
+            return  # the same line told twice (a value and a sentence: "Loss is nan, stopping training")
         self._training_metrics(seg)
         e = self._event(lineno, "loss-nonfinite", seg)
         self._loss_nf += 1
         self._loss_hidden += hidden
         self._loss_recovered = False
-        self._nf_end = self._seg_end
+        at = seg.find(key)
+        name = loss_name(key, seg[:at] if at > 0 else "")
+        if len(self._nf_keys) < 64 or name in self._nf_keys:
+            self._nf_keys[name] = self._seg_end
         d = {"line": lineno, "step": self._step, "key": key, "value": value, "text": e["text"], "hidden": hidden}
         sm = P.STEP_KEY_RE.search(seg) or P.GLOBAL_STEP_RE.search(seg)
         if sm:  # a metrics dict that names its own step
@@ -187,6 +243,26 @@ class Handlers(CrashHandlers):
     def _on_loss(self, m: re.Match, seg: str, lineno: int) -> None:
         self._nonfinite_loss(seg, lineno, m["key"], m["val"])
 
+    def _on_nonfinite_message(self, spec: NonfiniteMessage, m: re.Match, seg: str, lineno: int) -> None:
+        """A tool's own sentence about a non-finite loss or gradient (nonfinite.MESSAGES): the run stopped there, or
+        it warned and went on."""
+        groups = m.re.groupindex
+        val = m["val"] if "val" in groups and m["val"] else "non-finite"
+        if "step" in groups and m["step"]:
+            self._set_step(int(m["step"]))
+        said = {"line": lineno, "step": self._step, "tool": spec.tool, "stops": spec.stops, "value": val,
+                "where": m["where"] if "where" in groups else None, "text": self._quote(seg)}
+        if spec.what == "loss":
+            self._nonfinite_loss(seg, lineno, f"loss ({spec.tool})", val)
+            if spec.stops and self._loss_stopped is None:
+                self._loss_stopped = said
+            return
+        e = self._event(lineno, "grad-norm-nonfinite", seg)
+        self._norm_nf += 1
+        add(self._grad_said, said, 8)
+        if self._norm_first is None:
+            self._norm_first = {"line": lineno, "step": e["step"], "key": spec.tool, "text": e["text"]}
+
     def _on_norm(self, m: re.Match, seg: str, lineno: int) -> None:
         if "oss" in seg and P.LOSS_RE.search(seg):
             return  # the loss itself is non-finite: reported as such
@@ -199,7 +275,7 @@ class Handlers(CrashHandlers):
         sm = P.STEP_KEY_RE.search(seg)
         e = self._event(lineno, "grad-norm-nonfinite", seg, step=int(sm.group(1)) if sm else CURRENT)
         self._norm_nf += 1
-        if m["key"] == "grad_norm":
+        if m["key"] == "grad_norm" and ("'grad_norm'" in seg or '"grad_norm"' in seg):  # a Trainer dict's
             self._hf_norm_nf_finite_loss += 1
             self._hf_norm_nf_tail += 1
             self._norm_nf_end = self._seg_end

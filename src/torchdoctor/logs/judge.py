@@ -24,6 +24,10 @@ HF_HIDDEN_NAN_WHY = (
 )
 
 
+#: Trainer log dicts in a row, up to the end, with a non-finite grad_norm (and a finite loss): the model is not training
+HF_DEAD_LOGS = 5
+
+
 class Judges(ProcessJudge, CrashJudge):
     """Mixin of :class:`~torchdoctor.logs.analyze.Analyzer`: the judging half."""
 
@@ -85,9 +89,20 @@ class Judges(ProcessJudge, CrashJudge):
         if self._norm_nf:
             f = self._norm_first
             ev.append(f"{self._norm_nf} logged non-finite gradient norm(s); first at line {f['line']}: {f['text']}")
-        sev = "fail" if n >= 20 else "warn" if n >= 3 else "info"
-        if self._scale.dynamic and not (self._scaleless_ovf or self._static_ovf):
+        # with no fp16 scaler in play, even one non-finite gradient is worth a look: nothing is there to skip it (a
+        # non-finite loss beside it is the finding that says so)
+        sev = "fail" if n >= 20 else "warn" if n >= 3 or not (self._scale.dynamic or self._loss_nf) else "info"
+        if self._scale.dynamic and not (self._scaleless_ovf or self._static_ovf or self._grad_said):
             sev = "info"  # the norms of steps the fp16 scaler skipped: judged by the fp16 finding
+        stop = next((g for g in self._grad_said if g["stops"]), None)
+        for g in self._grad_said[:3]:
+            where = f" ({g['where']})" if g["where"] else ""
+            ev.append(f"line {g['line']}: {g['tool']}{where} {'stopped the run' if g['stops'] else 'warned'}: "
+                      f"{g['text']}")
+        if stop is not None:
+            sev = "fail"
+        elif self._grad_said:
+            sev = "warn" if sev == "info" else sev
         hf_only = n == self._hf_norm_nf_finite_loss and self._hf_norms
         if hf_only and self._hf_norm_nf_tail < 3 and 2 * n <= self._hf_norms:
             # Trainer dicts with a finite loss and a nan grad_norm, among finite ones: the steps fp16 AMP skipped
@@ -96,7 +111,10 @@ class Judges(ProcessJudge, CrashJudge):
                       "later grad norms are finite: with fp16 mixed precision those are the steps the GradScaler "
                       "skipped (it skips a step whose gradients overflow and lowers its scale), which is normal")
         elif hf_only and self._hf_norm_nf_tail >= 3:
-            sev = "warn" if sev == "info" else sev
+            # a run whose every logged step since some point has nan gradients is not training: fail from
+            # HF_DEAD_LOGS intervals on (a burst of skipped fp16 steps does not last that long)
+            dead = self._hf_norm_nf_tail >= HF_DEAD_LOGS
+            sev = "fail" if dead else "warn" if sev == "info" else sev
             ev.append(f"the last {self._hf_norm_nf_tail} logged grad norms are all non-finite: with fp16 every step is "
                       "being skipped (the model is not training); in bf16/fp32 the next update makes the weights nan")
         fix = ["find where the inf/nan starts: torchdoctor.NumericsMonitor(model, optimizer=opt) stops at the first "
@@ -123,7 +141,9 @@ class Judges(ProcessJudge, CrashJudge):
         if self._loss_nf > 1:
             ev.append(f"{self._loss_nf} non-finite loss value(s) in all; last at line {last['line']}")
         if self._loss_recovered:
-            ev.append("finite losses were logged after the last non-finite one")
+            ev.append("finite values of each loss were logged after its last non-finite one")
+        elif self._nf_keys:
+            ev.append("still non-finite at the end of the log: " + ", ".join(sorted(self._nf_keys)[:4]))
         if self._scale.dynamic:
             ev.append(f"the run also had {self._skipped()} fp16 overflow step(s): see fp16 findings")
         fix = [
@@ -138,16 +158,21 @@ class Judges(ProcessJudge, CrashJudge):
             fix[0] = fp16_collapse_fix(self._scale.observed_source != "GradScaler")
         if self._loss_hidden:
             fix.append("TrainingArguments(logging_nan_inf_filter=False) makes the Trainer log the NaN itself")
-        sev = "warn" if self._loss_recovered else "fail"
+        stop = self._loss_stopped
+        if stop is not None:
+            ev.append(f"line {stop['line']}: {stop['tool']} stopped the run on it: {stop['text']}")
+        recovered = self._loss_recovered and stop is None
+        sev = "warn" if recovered else "fail"
         if self._loss_hidden and f.get("hidden"):
             title = (f"the loss is NaN from {at}: the Trainer logged 'loss': 0.0 with 'grad_norm': nan "
                      f"(logging_nan_inf_filter hides a NaN loss as 0.0)")
         else:
             title = f"loss became {f['value']} at {at}"
-        title += " (later losses were finite)" if self._loss_recovered else ""
+        title += " (later losses were finite)" if recovered else "; the run stopped on it" if stop else ""
         return [Finding("loss.nonfinite", sev, title, ev, fix,
                         {"first_step": f["step"], "first_line": f["line"], "first_text": f["text"],
-                         "first_epoch": f.get("epoch"), "count": self._loss_nf, "recovered": self._loss_recovered,
+                         "first_epoch": f.get("epoch"), "count": self._loss_nf, "recovered": recovered,
+                         "stopped_by": stop["tool"] if stop else None,
                          "hidden_by_nan_inf_filter": self._loss_hidden})]
 
     def _judge_cuda_oom(self) -> list[Finding]:

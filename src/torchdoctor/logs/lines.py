@@ -210,20 +210,21 @@ def vocabulary(*sources: str) -> frozenset[str]:
 
 def rejoin(text: str, vocab: frozenset[str]) -> str:
     """``text`` with each ``word part`` put back together where the two make a word of ``vocab`` that neither is (a
-    wrap that became a space: ``OpTy pe=BROADCAST``, ``Watchdog cau ght``, ``opera tion``). Unchanged when no pair
-    does."""
+    wrap that became whitespace: ``OpTy pe=BROADCAST``, ``Watchdog cau ght``, ``loss scal      e: 8192`` where a
+    terminal padded the cut line to its width). Unchanged when no pair does."""
     words = list(_WORD_RE.finditer(text))
     cuts = []
     for a, b in zip(words, words[1:]):
-        if b.start() - a.end() == 1 and text[a.end()] in " \t\n":
+        gap = text[a.end():b.start()]
+        if gap and gap.isspace():  # one space, or a terminal's padding to its width
             joined = a.group() + b.group()
             if joined in vocab and a.group() not in vocab and b.group() not in vocab:
-                cuts.append(a.end())
+                cuts.append((a.end(), b.start()))
     if not cuts:
         return text
     out, last = [], 0
-    for c in cuts:
-        out.append(text[last:c])
-        last = c + 1
+    for cut, resume in cuts:
+        out.append(text[last:cut])
+        last = resume
     out.append(text[last:])
     return "".join(out)

@@ -85,14 +85,16 @@ def by_first_char(words: tuple[str, ...]) -> str:
 #: Process exits, searched on their own: one shared prefix is found by a fast literal search, where inside SCAN_RE
 #: every "x" (a line of x's: 20 MB/s) made `re` try them.
 EXIT_SCAN_RE = re.compile(r"xit(?:s with return code|code| code|ed with)")
-_NONFINITE = r"(?:tensor\()?[-+]?(?i:nan|inf(?:inity)?)(?![\w.])"
-#: ``loss': nan`` / ``"loss": NaN`` / ``loss=nan`` / ``loss: inf`` / ``train_loss = -inf`` / ``Loss nan``
+_NONFINITE = r"(?:tensor\()?[-+]?(?i:nan|inf(?:inity)?)(?!\w|\.\w)"
+#: What stands between a loss's name and its value: ``loss': nan`` / ``"loss": NaN`` / ``loss=nan`` / ``loss: inf`` /
+#: ``train_loss = -inf`` / ``Loss nan`` / ``| loss   | nan |`` (a table) / ``[Loss] nan`` / ``Loss is Infinity``.
+_LOSS_SEP = r"""(?:['"\]]?[ \t]*[:=|][ \t]*['"]?|['"\]]?[ \t]+(?:is[ \t]+)?)"""
 #: (anchored on "oss").
-LOSS_SCAN_RE = re.compile(r"""oss(?:['"]?[ \t]*[:=][ \t]*['"]?|[ \t]+)""" + _NONFINITE)
+LOSS_SCAN_RE = re.compile(r"oss" + _LOSS_SEP + _NONFINITE)
 NORM_SCAN_RE = re.compile(r"""_norm['"]?[ \t]*[:=][ \t]*['"]?""" + _NONFINITE)
 #: A finite loss value (checked only after a non-finite one, to tell whether training recovered; a 0 is not one).
 FINITE_LOSS_RE = re.compile(
-    r"""[lL]oss['"]?[ \t]*[:=][ \t]*['"]?(?:tensor\()?(?P<v>[-+]?(?:\d|\.\d)[\d.]*(?:[eE][-+]?\d+)?)""")
+    r"(?P<key>\w*[lL]oss)" + _LOSS_SEP + r"(?:tensor\()?(?P<v>[-+]?(?:\d|\.\d)[\d.]*(?:[eE][-+]?\d+)?)")
 #: Plain substrings searched with str.find (their first characters are too common for SCAN_RE).
 #: "_scale" finds DeepSpeed's config print (min_loss_scale, 'min_scale', initial_scale_power, 'init_scale') and its
 #: update_scale traceback frame with one search.
@@ -146,7 +148,7 @@ GRAD_SCALE_RE = re.compile(rf"(?i:fp16 )?Grad Scale:[ \t]*(?P<scale>{NUM})")
 GLOBAL_STEP_RE = re.compile(r"Global Step:[ \t]*(\d+)")
 
 # non-finite loss / grad norm (full check on the candidate line; the key of each rule is below)
-LOSS_RE = re.compile(r"""(?P<key>\w*[lL]oss)(?:['"]?[ \t]*[:=][ \t]*['"]?|[ \t]+)(?P<val>""" + _NONFINITE + ")")
+LOSS_RE = re.compile(r"(?P<key>\w*[lL]oss)" + _LOSS_SEP + "(?P<val>" + _NONFINITE + ")")
 NORM_RE = re.compile(r"""(?P<key>\w*_norm)['"]?[ \t]*[:=][ \t]*['"]?(?P<val>""" + _NONFINITE + ")")
 STEP_KEY_RE = re.compile(r"""['"](?:global_)?step['"]:[ \t]*(\d+)""")
 #: The Trainer's ``'loss': 0.0`` (4.x) / ``'loss': '0'`` (5.x): with ``'grad_norm': nan`` the loss was NaN on every

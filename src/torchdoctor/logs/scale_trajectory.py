@@ -89,6 +89,10 @@ class ScaleTrajectory:
         self.observed_floor_nf: list[dict] = []  # ... at the floor with nan gradients/loss (first, last)
         self.observed_floor_nf_n = 0
         self.observed_source: str | None = None
+        self.trainer: str | None = None         # the scaler that printed (scalers.MESSAGES); None: DeepSpeed's lines
+        self.trainer_floor: float | None = None  # its default minimum; no_floor: it has none (halves towards 0)
+        self.no_floor = False
+        self.trainer_hint = ""
 
     # ------------------------------------------------------------------------------------------ input
     def configure(self, *, min_loss_scale: float | None = None, init_scale: float | None = None) -> None:
@@ -97,9 +101,33 @@ class ScaleTrajectory:
         if init_scale is not None and init_scale > 0:
             self.init_scale = init_scale
 
+    def use_trainer(self, trainer: str, floor: float | None, init: float | None, hint: str = "") -> None:
+        """The scaler printing this log (the first one seen): its default floor and start."""
+        if self.trainer is None:
+            self.trainer, self.trainer_floor, self.no_floor, self.trainer_hint = trainer, floor, floor is None, hint
+            if init is not None and self.init_scale is None:
+                self.init_scale = init
+
     @property
     def floor(self) -> float:
-        return self.min_loss_scale if self.min_loss_scale is not None else DS_DEFAULT_MIN_SCALE
+        """The minimum the scale stops at: the log's config, else the trainer's default; a scaler without one
+        halves towards 0, and below 1 it is collapsed (every scale overflows)."""
+        if self.min_loss_scale is not None:
+            return self.min_loss_scale
+        if self.trainer_floor is not None:
+            return self.trainer_floor
+        return DS_DEFAULT_MIN_SCALE
+
+    def floor_words(self) -> str:
+        """Where :attr:`floor` comes from, in words."""
+        if self.min_loss_scale is not None:
+            return f"min_loss_scale is {fmt_scale(self.floor)} in the log's config"
+        if self.trainer is None:
+            return "DeepSpeed's default min_loss_scale is 1"
+        if self.no_floor:
+            return (f"{self.trainer}'s scaler has no minimum and halves towards 0: below 1, the gradients overflow "
+                    "whatever the scale")
+        return f"{self.trainer}'s default minimum scale is {fmt_scale(self.floor)}"
 
     def count_overflow(self, rank: int | None, event: dict) -> None:
         self.overflows += 1
@@ -143,11 +171,8 @@ class ScaleTrajectory:
             self._equal_streak += 1
             if self.min_reached is None and (att <= self.floor or self._equal_streak >= 3):
                 self.min_reached = f"the loss scale stayed at {fmt_scale(att)}: min_loss_scale reached"
-        if new <= self.floor and self.min_reached is None:
-            self.min_reached = (f"the loss scale fell to {fmt_scale(new)} ("
-                                + (f"min_loss_scale is {fmt_scale(self.floor)} in the log's config"
-                                   if self.min_loss_scale is not None else "DeepSpeed's default min_loss_scale is 1")
-                                + ")")
+        if (new < self.floor if self.no_floor else new <= self.floor) and self.min_reached is None:
+            self.min_reached = f"the loss scale fell to {fmt_scale(new)} ({self.floor_words()})"
         self._note_min(new, line, step)
 
     def _note_min(self, new: float, line: int, step: int | None) -> None:
@@ -187,10 +212,10 @@ class ScaleTrajectory:
             self._note_min(scale, line, step)
             self.at_min_line = line
 
-    def raised(self, line: int, step: int | None, text: str) -> None:
+    def raised(self, line: int, step: int | None, text: str, why: str | None = None) -> None:
         if self.min_raised is None:
             self.min_raised = {"line": line, "step": step, "text": text}
-        self.min_reached = "DeepSpeed's loss scaler raised 'Current loss scale already at minimum'"
+        self.min_reached = why or "DeepSpeed's loss scaler raised 'Current loss scale already at minimum'"
 
     # ------------------------------------------------------------------------------------------ reading
     def skipped(self, ds_skipped: int | None) -> int:
@@ -238,8 +263,14 @@ def _at(d: dict | None, planned: int | None = None) -> str:
 
 
 def _halvings_text(n: int | None, t: ScaleTrajectory) -> str:
-    where = (f"min_loss_scale {fmt_scale(t.floor)}, from the log's DeepSpeed config" if t.min_loss_scale is not None
-             else "min_loss_scale 1: DeepSpeed's default, the log does not print its config")
+    if t.min_loss_scale is not None:
+        where = f"min_loss_scale {fmt_scale(t.floor)}, from the log's DeepSpeed config"
+    elif t.trainer is None:
+        where = "min_loss_scale 1: DeepSpeed's default, the log does not print its config"
+    elif t.no_floor:
+        where = f"{t.trainer}'s scaler has no minimum; counted to 1, below which every scale overflows"
+    else:
+        where = f"{fmt_scale(t.floor)}: {t.trainer}'s default"
     return f"{n} halving{'' if n == 1 else 's'} left before the minimum ({where})"
 
 
@@ -291,7 +322,9 @@ def judge_fp16(t: ScaleTrajectory, *, max_step: int | None, iterations: int, pla
         ev.append(steps + (f", {t.hysteresis} absorbed by hysteresis" if t.hysteresis else ""))
     if t.min_raised:
         ev.append(f"line {t.min_raised['line']}: {t.min_raised['text']}")
-    fix = [fp16_collapse_fix(deepspeed), LOCATE_FIX]
+    fix = [fp16_collapse_fix(deepspeed and t.trainer is None), LOCATE_FIX]
+    if t.trainer_hint:
+        fix.append(t.trainer_hint)
     if t.min_reached is not None:
         # Recovered: DeepSpeed did not give up, the scale rose again after the last time it sat at the
         # minimum, and no non-finite loss is left unanswered after that. Otherwise it stayed there to the end.

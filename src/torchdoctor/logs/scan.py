@@ -14,8 +14,10 @@ import codecs
 import re
 from bisect import bisect_right
 from collections import deque
+from functools import partial
 from typing import Any
 
+from . import nonfinite, scalers
 from . import patterns as P
 from .common import (
     CURRENT,
@@ -31,14 +33,17 @@ from .common import (
     num,
 )
 from .families import FAMILIES
+from .handlers import loss_name
 from .lines import WRAP_SAMPLE, Logical, bar_end, dewrap, rejoin, strip_prefixes, vocabulary, wrap_width
 
 #: the prefilter over every family's anchors (patterns.SCAN_ANCHORS and each family's ANCHORS), and the needles
 SCAN_RE = re.compile(P.by_first_char(tuple(dict.fromkeys(
-    P.SCAN_ANCHORS + tuple(a for f in FAMILIES for a in f.ANCHORS)))))
-NEEDLES = tuple(dict.fromkeys(P.NEEDLES + tuple(n for f in FAMILIES for n in f.NEEDLES)))
+    P.SCAN_ANCHORS + scalers.ANCHORS + nonfinite.ANCHORS + tuple(a for f in FAMILIES for a in f.ANCHORS)))))
+NEEDLES = tuple(dict.fromkeys(P.NEEDLES + scalers.NEEDLES + nonfinite.NEEDLES
+                              + tuple(n for f in FAMILIES for n in f.NEEDLES)))
 #: the words of every message table: a word a wrap cut with a space is put back together only into one of these
 VOCABULARY = vocabulary(*P.SCAN_ANCHORS, *P.NEEDLES, *(rx.pattern for _, rx, _ in P.RULES),
+                        *(m.rx.pattern for m in scalers.MESSAGES), *(m.rx.pattern for m in nonfinite.MESSAGES),
                         *(a for f in FAMILIES for a in f.ANCHORS),
                         *(rx.pattern for f in FAMILIES for _, rx, _ in f.RULES))
 SNIFF_BYTES = 4096   # bytes read before the encoding is chosen
@@ -46,11 +51,12 @@ _UNDECIDED = object()  # the wrap width before the stream's first WRAP_SAMPLE ch
 TAIL_CHARS = 4096    # characters of the end of the output kept for last_lines()
 
 
-def _in_train_summary(buf: str, pos: int) -> bool:
-    """The loss at ``pos`` is the HF Trainer's end-of-training summary (``{'train_runtime': ..., 'train_loss': ...}``,
+def _in_train_summary(buf: str, m: re.Match) -> bool:
+    """The loss ``m`` found is the HF Trainer's end-of-training summary (``{'train_runtime': ..., 'train_loss': ...}``,
     printed once by ``Trainer.train()``): an average over the run, not a later step's loss."""
+    pos = m.start()
     line_start = buf.rfind("\n", 0, pos) + 1
-    return buf.startswith("train_", pos - 6) and buf.find("train_runtime", line_start, pos) >= 0
+    return m["key"].startswith("train_") and buf.find("train_runtime", line_start, pos) >= 0
 
 
 def decoder_for(head: bytes) -> tuple[str, Any]:
@@ -95,7 +101,6 @@ class Scanner:
         self._buf = ""             # the buffer being scanned, and where its scanned part ends
         self._buf_end = 0
         self._seg_end = 0          # end of the segment being handled, in the buffer being scanned
-        self._nf_end: int | None = None  # end of the last non-finite-loss segment in the current buffer
         self._join: tuple | None = None  # a message head whose continuation is in the next buffer
         # hard wraps (lines.dewrap): the width is decided once, from the stream's first WRAP_SAMPLE characters (held
         # until then, so any chunking reads the same); a command's pipe is never wrapped by a terminal
@@ -106,6 +111,9 @@ class Scanner:
         # the failure families (collaborators, families/) and the rules of all: (key, regex, name, bound handler)
         self._families = [family(self) for family in FAMILIES]
         self._rule_table = [(key, rx, name, getattr(self, name)) for key, rx, name in P.RULES] + [
+            (m.key, m.rx, "_on_scaler", partial(self._on_scaler, m)) for m in scalers.MESSAGES] + [
+            (m.key, m.rx, "_on_nonfinite_message", partial(self._on_nonfinite_message, m))
+            for m in nonfinite.MESSAGES] + [
             (key, rx, name, getattr(f, name)) for f in self._families for key, rx, name in f.RULES]
         self._phys = ""            # the candidate line being handled, as the file has it ...
         self._line = Logical("")   # ... and as its program printed it (lines.strip_prefixes)
@@ -281,7 +289,7 @@ class Scanner:
                     i = buf.find(needle, i + 1, end)
         pos.sort()
         base, nl, counted, prev, seg_end = self._lines, 0, 0, 0, -1
-        self._nf_end = self._norm_nf_end = None
+        self._norm_nf_end = None
         for p in pos:
             if p < seg_end:
                 continue
@@ -308,14 +316,10 @@ class Scanner:
             prev = seg_end = e
         if prev < end:
             self._progress_region(buf, prev, end)
-        if self._loss_nf and not self._loss_recovered:
-            start = self._nf_end if self._nf_end is not None else 0
-            # a finite loss after the last non-finite one; a zero is not one (the Trainer's hidden NaN), and neither is
-            # the HF Trainer's end-of-training summary (its train_loss is an average over the whole run)
-            if start < end and any(num(m["v"]) and not _in_train_summary(buf, m.start())
-                                   for m in P.FINITE_LOSS_RE.finditer(buf, start, end)):
-                self._loss_recovered = True
-        n = buf.count("grad_norm", 0, end)  # Trainer dicts: how many carry a grad norm, is a finite one the last
+        if self._nf_keys:
+            self._finite_after(buf, end)
+        # Trainer dicts (the key quoted): how many carry a grad norm, is a finite one the last
+        n = buf.count("grad_norm'", 0, end) + buf.count('grad_norm"', 0, end)
         if n:
             self._hf_norms += n
             if self._hf_norm_nf_tail:
@@ -330,6 +334,20 @@ class Scanner:
             self._tail_len += len(piece)
             while self._tail_len - len(self._tail[0]) >= TAIL_CHARS:
                 self._tail_len -= len(self._tail.popleft())
+
+    def _finite_after(self, buf: str, end: int) -> None:
+        """Per loss name, a finite value after its last non-finite one in this buffer (or anywhere in it, for one from
+        an earlier buffer): the run recovered when every name that went non-finite did. A zero is no recovery (the
+        Trainer's hidden NaN), and neither is the HF Trainer's end-of-training summary (an average over the run)."""
+        for key, start in list(self._nf_keys.items()):
+            for m in P.FINITE_LOSS_RE.finditer(buf, min(start, end), end):
+                before = buf[buf.rfind("\n", 0, m.start()) + 1: m.start()][-200:]
+                if loss_name(m["key"], before) == key and num(m["v"]) and not _in_train_summary(buf, m):
+                    del self._nf_keys[key]
+                    break
+        for key in self._nf_keys:
+            self._nf_keys[key] = 0  # the next buffer is all after it
+        self._loss_recovered = not self._nf_keys
 
     def last_lines(self, n: int = 5, errors: bool = True) -> list[str]:
         """The last error-looking lines of the output (else its last lines): what a failure with no recognised
@@ -497,13 +515,16 @@ class Scanner:
         if "skipped=" in text:
             self._resolve_progress()
             self._ds_step_line(text)
-        fired, keyed = self._rules(text, lineno)
-        if keyed and not fired:
-            fixed = rejoin(text, VOCABULARY)
-            if fixed is not text:
-                self._line = line._replace(text=fixed)
-                fired = self._rules(fixed, lineno)[0]
-                text = fixed
+        if "   " in text.strip():  # a terminal's padding inside a line: the word it cut is put together first
+            text = self._rejoined(text)
+            fired, keyed = self._rules(text, lineno)
+        else:
+            fired, keyed = self._rules(text, lineno)
+            if keyed and not fired:  # a wrap that became one space: tried only where a rule's key did not fire
+                fixed = self._rejoined(text)
+                if fixed is not text:
+                    fired = self._rules(fixed, lineno)[0]
+                    text = fixed
         if self._tb_open:  # a traceback's frames and exception line: only while one is open (handlers_crash)
             try:
                 m = P.FRAME_RE.search(text) if 'File "' in text else None
@@ -524,6 +545,12 @@ class Scanner:
                 self._on_unknown_line(text, lineno)
             except Exception:  # noqa: BLE001
                 self._internal_errors += 1
+
+    def _rejoined(self, text: str) -> str:
+        fixed = rejoin(text, VOCABULARY)
+        if fixed is not text:
+            self._line = self._line._replace(text=fixed)
+        return fixed
 
     def _rules(self, text: str, lineno: int) -> tuple[bool, bool]:
         """Run the rules whose key is in ``text``: whether one fired, and whether a key was there at all."""
