@@ -945,7 +945,7 @@ def test_occasional_nan_grad_norm_with_finite_losses_is_an_info_about_skipped_fp
         f["grad.nonfinite"].evidence)
     assert f["logs.clean"].data["last_step"] is None  # 5/5 was not the training loop
     assert all(e["step"] is None for e in report.timeline)
-    stuck = lines[:7] + [ln.replace("0.5,", "nan,") for ln in lines[7:]]  # nan from there on: not occasional
+    stuck = lines[:8] + [ln.replace("0.5,", "nan,") for ln in lines[8:]]  # nan from there on: not occasional
     assert by_id(analyze_lines(stuck))["grad.nonfinite"].severity == "warn"
     # every logged step nan for HF_DEAD_LOGS logs up to the end: the model is not training
     dead = lines[:4] + [ln.replace("0.5,", "nan,") for ln in lines[4:]]
