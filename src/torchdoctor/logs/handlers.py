@@ -277,6 +277,9 @@ class Handlers(CrashHandlers):
         self._norm_nf += 1
         if m["key"] == "grad_norm" and ("'grad_norm'" in seg or '"grad_norm"' in seg):  # a Trainer dict's
             self._hf_norm_nf_finite_loss += 1
+            since = self._norm_nf_end if self._norm_nf_end is not None else 0
+            if self._hf_norm_nf_tail and P.HF_FINITE_NORM_RE.search(self._buf, since, self._seg_start):
+                self._hf_norm_nf_tail = 0  # a finite one came between: the run of non-finite ones starts again
             self._hf_norm_nf_tail += 1
             self._norm_nf_end = self._seg_end
         if self._norm_first is None:

@@ -100,7 +100,7 @@ class Scanner:
         self._internal_errors = 0
         self._buf = ""             # the buffer being scanned, and where its scanned part ends
         self._buf_end = 0
-        self._seg_end = 0          # end of the segment being handled, in the buffer being scanned
+        self._seg_start = self._seg_end = 0  # the segment being handled, in the buffer being scanned
         self._join: tuple | None = None  # a message head whose continuation is in the next buffer
         # hard wraps (lines.dewrap): the width is decided once, from the stream's first WRAP_SAMPLE characters (held
         # until then, so any chunking reads the same); a command's pipe is never wrapped by a terminal
@@ -311,7 +311,7 @@ class Scanner:
                 self._progress_region(buf, prev, s)
             nl += buf.count("\n", counted, s)
             counted = s
-            self._seg_end = e
+            self._seg_start, self._seg_end = s, e
             self._segment(buf[s:e], base + nl + 1 + (bisect_right(joins, s) if joins else 0))
             prev = seg_end = e
         if prev < end:
