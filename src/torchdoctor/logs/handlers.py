@@ -10,7 +10,7 @@ import signal as _signal
 from typing import Any
 
 from . import patterns as P
-from .common import CURRENT, add, clip, num, seen, signal_name
+from .common import CURRENT, add, num, seen, signal_name
 from .handlers_crash import CrashHandlers
 from .nonfinite import NonfiniteMessage
 from .scalers import ScalerMessage, scale_of_lg
@@ -88,9 +88,6 @@ class Handlers(CrashHandlers):
         self._sigterm_sent = 0
         self._cancel: dict | None = None
         # builds and configs
-        self._cuda_mismatch: list[dict] = []
-        self._cuda_home: list[dict] = []
-        self._compiler: list[dict] = []
         self._build_keys: set = set()
         self._ds_config: list[dict] = []
 
@@ -397,71 +394,12 @@ class Handlers(CrashHandlers):
         self._event(lineno, "cancelled", seg)
         self._cancel = {"line": lineno, "reason": m.group(2), "text": self._quote(seg)}
 
-    # ------------------------------------------------------------------------------------------ builds
+    # ------------------------------------------------------------------------------------ DeepSpeed config
     def _build(self, lst: list, lineno: int, seg: str, event: str, key: Any = None, **d: Any) -> None:
         if seen(self._build_keys, (event, key if key is not None else self._quote(seg))):
             return
         self._event(lineno, event, seg)
         add(lst, {"line": lineno, "text": self._quote(seg), **d}, 16)
-
-    def _on_ds_cuda_mismatch(self, m: re.Match, seg: str, lineno: int) -> None:
-        tail = m["tail"]
-        verdict = ("info" if "APIs are compatible" in tail else "warn" if "DS_SKIP_CUDA_CHECK" in tail else "fail")
-        self._build(self._cuda_mismatch, lineno, seg, "cuda-mismatch", system=m["sys"], torch=m["torch"],
-                    verdict=verdict, source="deepspeed")
-
-    def _on_torch_cuda_mismatch(self, m: re.Match, seg: str, lineno: int) -> None:
-        verdict = "fail" if m["kind"] == "mismatches" else "info"
-        self._build(self._cuda_mismatch, lineno, seg, "cuda-mismatch", key=("torch", m["sys"]), system=m["sys"],
-                    torch=m["torch"] or None, verdict=verdict, source="torch")
-
-    def _on_torch_cuda_mismatch_args(self, m: re.Match, seg: str, lineno: int) -> None:
-        self._on_torch_cuda_mismatch(m, seg, lineno)
-
-    def _on_torch_cuda_mismatch_raise(self, m: re.Match, seg: str, lineno: int) -> None:
-        """The traceback's ``raise RuntimeError(CUDA_MISMATCH_MESSAGE...`` line: the message itself may be cut."""
-        self._build(self._cuda_mismatch, lineno, seg, "cuda-mismatch", key=("torch-raise",), system=None, torch=None,
-                    verdict="fail", source="torch traceback")
-
-    def _on_cuda_home(self, m: re.Match, seg: str, lineno: int) -> None:
-        self._build(self._cuda_home, lineno, seg, "cuda-home")
-
-    def _on_gcc_too_new(self, m: re.Match, seg: str, lineno: int) -> None:
-        self._build(self._compiler, lineno, seg, "compiler-error", key=("gcc-too-new", m.group(1)), kind="gcc-too-new",
-                    limit=int(m.group(1)))
-
-    def _on_gcc_too_old(self, m: re.Match, seg: str, lineno: int) -> None:
-        self._build(self._compiler, lineno, seg, "compiler-error", kind="gcc-too-old", need=int(m.group(1)))
-
-    def _on_torch_compiler(self, m: re.Match, seg: str, lineno: int) -> None:
-        kind = "gcc-too-new" if m["rel"] == "greater" else "gcc-too-old"
-        self._build(self._compiler, lineno, seg, "compiler-error", kind=kind, compiler=m["cc"], version=m["ver"],
-                    cuda=m["cuda"])
-
-    def _on_compiler_killed(self, m: re.Match, seg: str, lineno: int) -> None:
-        prog = m["prog"] or m["prog2"]
-        self._build(self._compiler, lineno, seg, "compiler-error", key=("killed", prog), kind="compiler-killed",
-                    program=prog, signal=int(m["sig"]) if m["sig"] else 9)
-
-    def _on_nvcc_fatal(self, m: re.Match, seg: str, lineno: int) -> None:
-        kind = "gpu-arch" if ("gpu architecture" in seg or "gpu-architecture" in seg) else "nvcc"
-        self._build(self._compiler, lineno, seg, "compiler-error", kind=kind, detail=m.group(1).strip())
-
-    def _on_ninja_stopped(self, m: re.Match, seg: str, lineno: int) -> None:
-        self._build(self._compiler, lineno, seg, "build-failed", kind="ninja")
-
-    def _on_ext_build(self, m: re.Match, seg: str, lineno: int) -> None:
-        self._build(self._compiler, lineno, seg, "build-failed", kind="extension", extension=m.group(1))
-
-    def _on_jit_load(self, m: re.Match, seg: str, lineno: int) -> None:
-        kind = "ninja-missing" if "ninja" in m.group(2) else "op-incompatible"
-        self._build(self._compiler, lineno, seg, "build-failed", kind=kind, op=m.group(1))
-
-    def _on_compile_error(self, m: re.Match, seg: str, lineno: int) -> None:
-        if "unsupported GNU version" in seg:
-            return  # reported by its own rule
-        self._build(self._compiler, lineno, seg, "compiler-error", kind="compile-error", file=m.group(1),
-                    detail=clip(m.group(2), 200))
 
     def _on_ds_bf16_fp16(self, m: re.Match, seg: str, lineno: int) -> None:
         self._build(self._ds_config, lineno, seg, "config-error", kind="bf16-and-fp16")

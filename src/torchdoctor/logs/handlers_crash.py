@@ -40,6 +40,9 @@ CUDA_KINDS = (
 )
 
 
+_IPYTHON_MARK_RE = re.compile(r"-+>\s*(?P<ln>\d+)\s(?P<code>.*)")
+
+
 def is_user_code(path: str) -> bool:
     """A frame in the user's own code (not site-packages, the standard library or a frozen module)."""
     return not any(part in path for part in _LIBRARY_PARTS)
@@ -100,19 +103,32 @@ class CrashHandlers:
 
     def _on_traceback(self, m: re.Match, seg: str, lineno: int) -> None:
         rank = self._rank(seg)
-        self._new_tb(lineno, rank, "python")
+        if m["type"]:  # IPython's header: the exception's type now, its message at the end (often cut from a paste)
+            exc = {"line": lineno, "type": m["type"], "msg": "", "text": self._quote(seg)}
+            tb = self._new_tb(lineno, rank, "ipython", exc)
+            self._event(lineno, "exception", seg)
+            tb["frames"] = 1
+        elif m["colon"]:
+            self._new_tb(lineno, rank, "python")
 
     def _on_frame(self, m: re.Match, seg: str, lineno: int) -> None:
         rank = self._rank(seg)
         tb = self._tb_open.get(rank)
         if tb is None or lineno - tb["last"] > TB_GAP:
             return  # a stack printed outside a traceback (a warning's), or one whose start is cut off
-        frame = {"file": m["file"], "line": int(m["ln"]), "func": m["fn"], "log_line": lineno, "code": None}
-        nxt = self._following(1)
-        if nxt is None:  # the code line is in the next buffer
-            self._frame_pending = frame
-        elif nxt:
-            self._frame_code(frame, nxt[0])
+        frame = {"file": m["file"], "line": int(m["ln"] or 0), "func": m["fn"], "log_line": lineno, "code": None}
+        if m.re is P.IPYTHON_FRAME_RE:  # the failing line is the one IPython marks with ---->, a few lines below
+            for line in self._following(8) or ():
+                mark = _IPYTHON_MARK_RE.match(line)
+                if mark:
+                    frame["line"], frame["code"] = int(mark["ln"]), clip(mark["code"].strip(), 160)
+                    break
+        else:
+            nxt = self._following(1)
+            if nxt is None:  # the code line is in the next buffer
+                self._frame_pending = frame
+            elif nxt:
+                self._frame_code(frame, nxt[0])
         tb["frames"] += 1
         tb["last"] = lineno
         if tb["kind"] == "faulthandler":  # most recent call first: the innermost frame is the first one
@@ -134,9 +150,10 @@ class CrashHandlers:
     def _on_exc_line(self, m: re.Match, seg: str, lineno: int) -> None:
         rank = self._rank(seg)
         tb = self._tb_open.get(rank)
-        if tb is None or tb["exc"] is not None or not tb["frames"] or lineno - tb["last"] > TB_GAP \
-                or seg[:1].isspace():
+        if tb is None or not tb["frames"] or lineno - tb["last"] > TB_GAP or seg[:1].isspace():
             return
+        if tb["exc"] is not None and not (tb["kind"] == "ipython" and tb["exc"]["type"] == m["type"]):
+            return  # IPython named the type in its header: the line that ends it carries the message
         tb["exc"] = {"line": lineno, "type": m["type"], "msg": clip(m["msg"] or "", 400), "text": self._quote(seg)}
         tb["step"] = self._step
         self._event(lineno, "exception", seg)

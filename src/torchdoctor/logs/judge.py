@@ -35,7 +35,7 @@ class Judges(ProcessJudge, CrashJudge):
         self._resolve_progress()
         out: list[Finding] = []
         for fn in (self._judge_fp16, self._judge_grad, self._judge_loss, self._judge_families, self._judge_cuda_oom,
-                   self._judge_cuda, self._judge_process, self._judge_build, self._judge_config):
+                   self._judge_cuda, self._judge_process, self._judge_config):
             out.extend(fn())
         out.extend(self._judge_exception(out))
         if self._internal_errors:
@@ -203,93 +203,6 @@ class Judges(ProcessJudge, CrashJudge):
                          "max_allocated_gb": self._gpu_mem_max[0] if self._gpu_mem_max else None,
                          "max_cached_gb": self._gpu_mem_max[1] if self._gpu_mem_max else None})]
 
-
-    def _judge_build(self) -> list[Finding]:
-        out = []
-        env_fix = ("torchdoctor env shows torch's CUDA, every CUDA toolkit on the machine, which one builds use, and "
-                   "the host compiler")
-        if self._cuda_mismatch:
-            rank = ("fail", "warn", "info").index
-            # the most severe, and of those one that names the versions (a cut message or a raise line does not)
-            worst = min(self._cuda_mismatch, key=lambda d: (rank(d["verdict"]), d["system"] is None,
-                                                            d["torch"] is None))
-            ev = [f"line {d['line']}: {d['text']}" for d in self._cuda_mismatch[:3]]
-            what = {"fail": "extensions cannot be built", "warn": "forced with DS_SKIP_CUDA_CHECK=1",
-                    "info": "accepted: same major version, compatible APIs"}[worst["verdict"]]
-            want = worst["torch"] or "X.Y (python -c 'import torch; print(torch.version.cuda)')"
-            fix = [env_fix,
-                   f"make the toolkit match torch: install CUDA {want} and export "
-                   f"CUDA_HOME=/usr/local/cuda-{worst['torch'] or 'X.Y'} "
-                   f"PATH=/usr/local/cuda-{worst['torch'] or 'X.Y'}/bin:$PATH, or install the torch build for CUDA "
-                   f"{worst['system'] or 'the toolkit you have (nvcc --version)'}",
-                   "or prebuild the DeepSpeed ops on a matching machine: torchdoctor env --prebuild"]
-            if worst["system"] is None:
-                ev.append("torch's _check_cuda_version raises CUDA_MISMATCH_MESSAGE when nvcc's CUDA version differs "
-                          "from torch.version.cuda (torch 2.x: the major version); the message with the versions is "
-                          "cut from the log")
-            if worst["source"] == "torch traceback" or worst["source"] == "torch":
-                fix.append("DeepSpeed's op builder (ops/op_builder/builder.py: JIT ops, DS_BUILD_* installs) accepts "
-                           "a major-version mismatch with DS_SKIP_CUDA_CHECK=1, at your own risk; torch's own "
-                           "_check_cuda_version (torch.utils.cpp_extension) has no such switch")
-            versions = (f"CUDA toolkit {worst['system']} does not match torch's CUDA {worst['torch']}"
-                        if worst["system"] and worst["torch"] else
-                        f"CUDA toolkit {worst['system']} does not match torch's CUDA" if worst["system"] else
-                        "the CUDA toolkit does not match torch's CUDA (the versions are cut from the log)")
-            out.append(Finding(
-                "build.cuda-mismatch", worst["verdict"], f"{versions}: {what}",
-                ev, fix if worst["verdict"] != "info" else [], {"mismatches": list(self._cuda_mismatch)}))
-        if self._cuda_home:
-            out.append(Finding(
-                "build.cuda-home", "fail", "no CUDA toolkit found to compile CUDA ops (CUDA_HOME)",
-                [f"line {d['line']}: {d['text']}" for d in self._cuda_home[:3]],
-                [env_fix, "install the CUDA toolkit matching torch.version.cuda and export CUDA_HOME to it, or install "
-                 "DeepSpeed with DS_BUILD_OPS=0 to skip CUDA op builds"],
-                {"lines": list(self._cuda_home)}))
-        if self._compiler:
-            kinds = [d["kind"] for d in self._compiler]
-            root = next((d for d in self._compiler if d["kind"] not in ("ninja", "extension", "compile-error")),
-                        next((d for d in self._compiler if d["kind"] == "compile-error"), self._compiler[0]))
-            titles = {
-                "gcc-too-new": "the host compiler is newer than this CUDA toolkit supports",
-                "gcc-too-old": "the host compiler is older than this CUDA toolkit needs",
-                "gpu-arch": "nvcc does not know the GPU architecture requested (toolkit too old for the GPU)",
-                "nvcc": "nvcc failed",
-                "ninja-missing": "ninja is not installed: ops cannot be JIT-built",
-                "op-incompatible": "a DeepSpeed op is not compatible with this system",
-                "compile-error": "compiling an extension failed",
-                "compiler-killed": "the compiler was killed (SIGKILL) in the middle of the build: most likely the "
-                                   "kernel's OOM killer, with too many compile jobs running at once",
-                "ninja": "building an extension failed",
-                "extension": "building an extension failed",
-            }
-            fix = [env_fix]
-            if "gcc-too-new" in kinds or "gcc-too-old" in kinds:
-                v = next((d["limit"] for d in self._compiler if d.get("limit")), None)
-                gcc, gxx = (f"gcc-{v}", f"g++-{v}") if v else ("gcc-N", "g++-N")
-                fix.append(f"point the build at a supported compiler{f' (gcc {v} or older)' if v else ''}: "
-                           f"export CC={gcc} CXX={gxx} (or NVCC_PREPEND_FLAGS='-ccbin /usr/bin/{gxx}'), or link it "
-                           f"into the toolkit: sudo ln -s /usr/bin/{gcc} /usr/local/cuda/bin/gcc && "
-                           f"sudo ln -s /usr/bin/{gxx} /usr/local/cuda/bin/g++")
-            if "gpu-arch" in kinds:
-                fix.append("set TORCH_CUDA_ARCH_LIST to architectures this toolkit supports, or install a newer CUDA "
-                           "toolkit for this GPU")
-            if "compiler-killed" in kinds:
-                prog = next(d["program"] for d in self._compiler if d["kind"] == "compiler-killed")
-                fix.insert(0, f"build with fewer parallel compile jobs: each {prog} on CUDA/template-heavy code can "
-                              "take several GB of RAM, and ninja starts one per CPU core by default -- MAX_JOBS=4 (or "
-                              "1-2 on a small machine) before the build, e.g. MAX_JOBS=2 pip install ... (read by "
-                              "torch.utils.cpp_extension, which DeepSpeed's setup.py and JIT op builds use)")
-                fix.insert(1, "dmesg -T | grep -i -E 'killed process|out of memory' confirms the OOM killer; add swap "
-                              "or build on a machine with more RAM")
-            if "ninja-missing" in kinds:
-                fix.append("pip install ninja")
-            fix.append("prebuild the DeepSpeed ops once with the right settings: torchdoctor env --prebuild")
-            ext = next((d.get("extension") for d in self._compiler if d.get("extension")), None)
-            title = titles.get(root["kind"], "building an extension failed") + (f" (extension '{ext}')" if ext else "")
-            out.append(Finding("build.compiler", "fail", title,
-                               [f"line {d['line']}: {d['text']}" for d in self._compiler[:5]], fix,
-                               {"errors": list(self._compiler)}))
-        return out
 
     def _judge_config(self) -> list[Finding]:
         out = []

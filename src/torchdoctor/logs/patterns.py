@@ -55,11 +55,6 @@ SCAN_ANCHORS = (
     "CPU Virtual Memory", "Max_MA",
     # process exits (the "exitcode" family is EXIT_SCAN_RE)
     "SIG", "CANCELLED",
-    # builds
-    "Installed CUDA version", "GNU version", "We need GCC", "vcc fatal", "ja: build stopped",
-    "Error building extension", "CUDA op(s)", "CUDA was not found", "The detected CUDA version",
-    "The current installed version of", "CUDA_MISMATCH_MESSAGE",
-    "Unable to JIT load",
     # DeepSpeed config assertions
     "_batch_size is not equal",
     # crashes: Python tracebacks, faulthandler, shells' signal messages, CUDA runtime errors, the driver
@@ -103,7 +98,7 @@ NEEDLES = ("bfloat16 and fp16 modes", "      : ", "error:", "unable to compile C
 #: A traceback's frames and its last line (``ValueError: bad``, ``torch.AcceleratorError: CUDA error: ...``,
 #: ``KeyboardInterrupt``): searched with str.find only while a traceback is open, from where one starts (each
 #: needle is a pass over the buffer: ~25 ms per 40 MB, so none is searched where no traceback can be).
-TB_NEEDLES = ('File "', "Error", "Exception", "Interrupt", "Exit", "Iteration")
+TB_NEEDLES = ('File "', "Error", "Exception", "Interrupt", "Exit", "Iteration", ".py in ", "<ipython-input")
 #: The SCAN_ANCHORS that start a traceback (a ``Traceback`` header, a faulthandler dump).
 TB_STARTS = ("Traceback (most recent", "Fatal Python error")
 
@@ -192,45 +187,19 @@ ZSH_KILLED_RE = re.compile(r"(?:^|\]|zsh: )\s*(?:\[\d+\]\s+[+-]?\s*(\d+)\s+)?kil
 SIGTERM_SENT_RE = re.compile(r"Sending process (\d+) closing signal (SIG\w+)")
 SLURM_CANCEL_RE = re.compile(r"CANCELLED AT (\S+) DUE TO (TIME LIMIT|PREEMPTION|NODE FAILURE)")
 
-# builds
-DS_CUDA_MISMATCH_RE = re.compile(
-    r"Installed CUDA version (?P<sys>\d+\.\d+) does not match the version torch was compiled with (?P<torch>\d+\.\d+)"
-    r"(?P<tail>.*)")
-TORCH_CUDA_MISMATCH_RE = re.compile(
-    r"The detected CUDA version \((?P<sys>[\d.]+)\) (?P<kind>mismatches|has a minor version mismatch with) the version"
-    r" that was used to compile\s*PyTorch \((?P<torch>[\d.]+)\)")
-#: Its first line alone (the message printed over two lines, or cut): joined with the next lines (JOINS).
-TORCH_CUDA_MISMATCH_HEAD_RE = re.compile(
-    r"The detected CUDA version \((?P<sys>[\d.]+)\) (?P<kind>mismatches|has a minor version mismatch with)(?P<torch>)")
-#: torch 2.x ``raise RuntimeError(CUDA_MISMATCH_MESSAGE, cuda_str_version, torch.version.cuda)`` prints a tuple.
-TORCH_CUDA_MISMATCH_ARGS_RE = re.compile(
-    r"The detected CUDA version \(%s\) (?P<kind>mismatches|has a minor version mismatch with) .*?['\"],\s*"
-    r"['\"](?P<sys>[\d.]+)['\"],\s*['\"](?P<torch>[\d.]+)['\"]")
-#: The traceback's raise line: torch's _check_cuda_version raises it only on a major-version mismatch.
-TORCH_CUDA_MISMATCH_RAISE_RE = re.compile(r"raise RuntimeError\(CUDA_MISMATCH_MESSAGE\b")
-CUDA_HOME_RE = re.compile(r"CUDA_HOME does not exist, unable to compile CUDA op\(s\)|CUDA was not found on the system"
-                          r"|Unable to run (\S+), unable to compile CUDA op\(s\)")
-GCC_TOO_NEW_RE = re.compile(r"unsupported GNU version! gcc versions later than (\d+) are not supported")
-GCC_TOO_OLD_RE = re.compile(r"We need GCC (\d+) or later")
-TORCH_COMPILER_RE = re.compile(
-    r"The current installed version of (?P<cc>\S+) \((?P<ver>[\d.]+)\) is (?P<rel>less|greater) than the"
-    r" (?:minimum|maximum) required version by CUDA (?P<cuda>[\d.]+)")
-COMPILER_KILLED_RE = re.compile(
-    r"(?P<cc>\S+): fatal error: Killed signal terminated program (?P<prog>\S+)"
-    r"|nvcc error\s*: '(?P<prog2>\w+)' died due to signal (?P<sig>\d+)")
-NVCC_FATAL_RE = re.compile(r"nvcc fatal\s*:\s*(.*)")
-NINJA_STOPPED_RE = re.compile(r"ninja: build stopped: (.*)")
-EXT_BUILD_RE = re.compile(r"Error building extension '([\w.-]+)'")
-JIT_LOAD_RE = re.compile(r"Unable to JIT load the (\w+) op due to (it not being compatible|ninja not being installed)")
-COMPILE_ERROR_RE = re.compile(r"^\s*(\S+?(?::\d+){1,2}|\S+\(\d+\)): (?:fatal )?error: (.*)")
-
 # crashes (see handlers_crash.py)
 #: torchrun's ``[rank3]: `` prefix as printed before every line of a worker's output (one space after the colon).
 RANK_STRIP_RE = re.compile(r"^\[(?:rank|default)(\d+)\]:[ ]?")
 _PFX = r"^(?:\[(?:rank|default)\d+\]:[ ]?)?"
-TRACEBACK_RE = re.compile(r"Traceback \(most recent call last\):")
+#: Python's ``Traceback (most recent call last):``, or IPython's header that names the exception first
+#: (``ImportError        Traceback (most recent call last)``: its frames are ``path in func()`` blocks)
+TRACEBACK_RE = re.compile(r"(?:(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit))\s{2,})?"
+                          r"Traceback \(most recent call last\)(?P<colon>:)?")
 #: A traceback frame (``  File "x.py", line 3, in f``) or a faulthandler one (``  File "x.py", line 3 in f``).
 FRAME_RE = re.compile(_PFX + r'\s*File "(?P<file>[^"]+)", line (?P<ln>\d+),?\s+in (?P<fn>.*?)\s*$')
+#: An IPython / Jupyter / Colab frame: ``/usr/lib/python3/dist-packages/mmcv/ops/bbox.py in <module>()`` (no line
+#: number on it: the code lines below carry them, the failing one marked ``---->``).
+IPYTHON_FRAME_RE = re.compile(r"^(?P<file>\S+?\.py|<ipython-input-[^>]+>)\s+in\s+(?P<fn><?[\w.]+>?)\((?P<ln>)")
 #: The exception line that ends a traceback: a dotted class name, then ``: message`` or nothing.
 EXC_LINE_RE = re.compile(_PFX + r"(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*"
                          r"(?:Error|Exception|Interrupt|Exit|Iteration|Warning|Failure|Fault|Timeout))"
@@ -324,21 +293,6 @@ RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ("killed  ", ZSH_KILLED_RE, "_on_bash_killed"),
     ("closing signal", SIGTERM_SENT_RE, "_on_sigterm_sent"),
     ("CANCELLED AT", SLURM_CANCEL_RE, "_on_slurm_cancel"),
-    ("Installed CUDA version", DS_CUDA_MISMATCH_RE, "_on_ds_cuda_mismatch"),
-    ("The detected CUDA version", TORCH_CUDA_MISMATCH_RE, "_on_torch_cuda_mismatch"),
-    ("The detected CUDA version (%s)", TORCH_CUDA_MISMATCH_ARGS_RE, "_on_torch_cuda_mismatch_args"),
-    ("CUDA_MISMATCH_MESSAGE", TORCH_CUDA_MISMATCH_RAISE_RE, "_on_torch_cuda_mismatch_raise"),
-    ("CUDA", CUDA_HOME_RE, "_on_cuda_home"),
-    ("unsupported GNU version", GCC_TOO_NEW_RE, "_on_gcc_too_new"),
-    ("We need GCC", GCC_TOO_OLD_RE, "_on_gcc_too_old"),
-    ("The current installed version of", TORCH_COMPILER_RE, "_on_torch_compiler"),
-    ("Killed signal terminated", COMPILER_KILLED_RE, "_on_compiler_killed"),
-    ("died due to signal", COMPILER_KILLED_RE, "_on_compiler_killed"),
-    ("nvcc fatal", NVCC_FATAL_RE, "_on_nvcc_fatal"),
-    ("ninja: build stopped", NINJA_STOPPED_RE, "_on_ninja_stopped"),
-    ("Error building extension", EXT_BUILD_RE, "_on_ext_build"),
-    ("Unable to JIT load", JIT_LOAD_RE, "_on_jit_load"),
-    (" error: ", COMPILE_ERROR_RE, "_on_compile_error"),
     ("Traceback (most recent", TRACEBACK_RE, "_on_traceback"),
     ("Fatal Python error", FATAL_PY_RE, "_on_fatal_python"),
     ("terminate called after", CPP_TERMINATE_RE, "_on_cpp_terminate"),
@@ -359,9 +313,3 @@ RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ("bfloat16 and fp16 modes", DS_BF16_FP16_RE, "_on_ds_bf16_fp16"),
     ("train_batch_size is not equal", DS_BATCH_RE, "_on_ds_batch"),
 )
-
-#: Rules whose message may go on over the next lines: handler name -> the regex its first line must match. When the
-#: rule's own regex fails on that line, the next lines are joined to it and it is tried again; a head that never
-#: completes (the log was cut) is handled with what it says.
-JOINS: dict[str, re.Pattern[str]] = {"_on_torch_cuda_mismatch": TORCH_CUDA_MISMATCH_HEAD_RE}
-

@@ -5,7 +5,7 @@ their hits reach Python. Lines are numbered from 1 by ``\\n``; a ``\\r`` (tqdm r
 into segments that are read separately but keep the line's number. Steps come from the last training progress
 bar (``28/189 [``), DeepSpeed ``step=N, skipped=S`` line or Megatron ``iteration N/ M`` line before an event, or
 from the event itself. A message printed over several lines (torch's CUDA-mismatch text) is joined with the
-lines that follow it before it is matched (``patterns.JOINS``).
+lines that follow it before it is matched (a family's ``JOINS``).
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ class Scanner:
             (m.key, m.rx, "_on_nonfinite_message", partial(self._on_nonfinite_message, m))
             for m in nonfinite.MESSAGES] + [
             (key, rx, name, getattr(f, name)) for f in self._families for key, rx, name in f.RULES]
+        self._joins = {name: head for f in self._families for name, head in f.JOINS.items()}
         self._phys = ""            # the candidate line being handled, as the file has it ...
         self._line = Logical("")   # ... and as its program printed it (lines.strip_prefixes)
         # progress
@@ -192,10 +193,10 @@ class Scanner:
             self._internal_errors += 1
         self._tb_expire(1 << 62)  # tracebacks still open: cut before their exception line
         if self._join is not None:
-            _, _, name, seg, lineno, head = self._join
+            _, handler, seg, lineno, head = self._join
             self._join = None
             try:
-                getattr(self, name)(head, seg, lineno)
+                handler(head, seg, lineno)
             except Exception:  # noqa: BLE001
                 self._internal_errors += 1
 
@@ -389,35 +390,36 @@ class Scanner:
             out.append(line.text.strip())
         return out
 
-    def _try_join(self, key: str, rx: Any, name: str, seg: str, lineno: int) -> bool:
-        """``seg`` starts a message that ``rx`` needs more lines for: join the next ones and retry."""
-        head_rx = P.JOINS.get(name)
+    def _try_join(self, rx: Any, name: str, handler: Any, seg: str, lineno: int) -> bool:
+        """``seg`` starts a message that ``rx`` needs more lines for (a family's ``JOINS``): join the next ones (of the
+        same rank) and retry."""
+        head_rx = self._joins.get(name)
         head = head_rx.search(seg) if head_rx is not None else None
         if head is None:
             return False
         nxt = self._following(2)
         if nxt is None:  # the continuation comes with the next buffer
-            self._join = (key, rx, name, seg, lineno, head)
+            self._join = (rx, handler, seg, lineno, head)
             return True
         joined = seg.rstrip()
         for line in nxt:
             joined += " " + line
             m = rx.search(joined)
             if m:
-                getattr(self, name)(m, joined, lineno)
+                handler(m, joined, lineno)
                 return True
-        getattr(self, name)(head, seg, lineno)  # cut: what the first line says
+        handler(head, seg, lineno)  # cut: what the first line says
         return True
 
     def _finish_join(self, buf: str, end: int) -> None:
-        key, rx, name, seg, lineno, head = self._join
+        rx, handler, seg, lineno, head = self._join
         self._join = None
         e = buf.find("\n", 0, min(end, JOIN_MAX))
         line = buf[: e if e >= 0 else min(end, JOIN_MAX)].strip()
         joined = seg.rstrip() + " " + line
         m = rx.search(joined)
         try:
-            getattr(self, name)(m if m else head, joined if m else seg, lineno)
+            handler(m if m else head, joined if m else seg, lineno)
         except Exception:  # noqa: BLE001
             self._internal_errors += 1
 
@@ -527,7 +529,8 @@ class Scanner:
                     text = fixed
         if self._tb_open:  # a traceback's frames and exception line: only while one is open (handlers_crash)
             try:
-                m = P.FRAME_RE.search(text) if 'File "' in text else None
+                m = (P.FRAME_RE.search(text) if 'File "' in text else
+                     P.IPYTHON_FRAME_RE.match(text) if " in " in text else None)
                 if m is not None:
                     self._on_frame(m, text, lineno)
                     fired = True
@@ -560,7 +563,7 @@ class Scanner:
             if key in text and name not in fired:
                 keyed = True
                 m = rx.search(text)
-                if m is None and name not in P.JOINS:
+                if m is None and name not in self._joins:
                     continue
                 if not fired:
                     self._resolve_progress()
@@ -568,7 +571,7 @@ class Scanner:
                 try:
                     if m is not None:
                         handler(m, text, lineno)
-                    elif not self._try_join(key, rx, name, text, lineno):
+                    elif not self._try_join(rx, name, handler, text, lineno):
                         fired.discard(name)
                 except Exception:  # noqa: BLE001 -- one odd line must not cost the rest of the log
                     self._internal_errors += 1

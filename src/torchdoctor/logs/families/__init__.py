@@ -6,15 +6,17 @@ program printed it (:mod:`..lines`), and asks it for findings once the log is re
 analyzer is :class:`.base.LineContext`: record an event, quote the line, the line's rank and host, the step the log
 is at, the lines that follow. Message tables cite the source file (and commit or version) each message was read from.
 
-Families: :mod:`.comm` (NCCL, c10d, gloo, the store and rendezvous).
+Families: :mod:`.comm` (NCCL, c10d, gloo, the store and rendezvous), :mod:`.build` (CUDA toolkits, host compilers,
+extensions built for another torch).
 """
 
 from __future__ import annotations
 
 from .base import Family, LineContext
+from .build import Build
 from .comm import Comm
 
 #: every family, in the order their findings are listed
-FAMILIES: tuple[type[Family], ...] = (Comm,)
+FAMILIES: tuple[type[Family], ...] = (Comm, Build)
 
-__all__ = ["FAMILIES", "Comm", "Family", "LineContext"]
+__all__ = ["FAMILIES", "Build", "Comm", "Family", "LineContext"]

@@ -37,6 +37,9 @@ class Family:
     ANCHORS: ClassVar[tuple[str, ...]] = ()
     NEEDLES: ClassVar[tuple[str, ...]] = ()
     CAUSE_EVENTS: ClassVar[frozenset[str]] = frozenset()
+    #: handler name -> the regex a message's first line matches when the message goes on over the next lines (torch
+    #: prints some over two): the rule's own regex is then tried on the line joined with the next ones
+    JOINS: ClassVar[dict[str, re.Pattern[str]]] = {}
 
     def __init__(self, log: LineContext) -> None:
         self.log = log
