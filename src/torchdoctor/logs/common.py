@@ -82,6 +82,11 @@ def scale_val(x: float) -> int | float:
     return int(x) if math.isfinite(x) and x == int(x) and abs(x) < 2**63 else x
 
 
+def at_step(e: dict) -> str:
+    """`` (step N)`` for an event that knows its step, else nothing."""
+    return f" (step {e['step']})" if e.get("step") is not None else ""
+
+
 def clip(text: str, n: int = TEXT_MAX) -> str:
     text = text.strip()
     return text if len(text) <= n else text[: n - 3] + "..."

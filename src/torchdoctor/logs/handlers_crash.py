@@ -31,6 +31,11 @@ _LIBRARY_PARTS = ("site-packages", "dist-packages", "<frozen", "/lib/python", "\
 SIGNAL_WORDS = {"Segmentation fault": 11, "Bus error": 7, "Illegal instruction": 4, "Floating point exception": 8,
                 "Aborted": 6, "Killed": 9, "Terminated": 15, "Interrupt": 2, "Hangup": 1, "Quit": 3}
 #: CUDA runtime messages -> the finding's kind (the first that is in the message wins).
+#: cublasStatus_t (cublas_api.h): the numbers programs print for it
+CUBLAS_STATUS = {1: "CUBLAS_STATUS_NOT_INITIALIZED", 3: "CUBLAS_STATUS_ALLOC_FAILED", 7: "CUBLAS_STATUS_INVALID_VALUE",
+                 8: "CUBLAS_STATUS_ARCH_MISMATCH", 11: "CUBLAS_STATUS_MAPPING_ERROR",
+                 13: "CUBLAS_STATUS_EXECUTION_FAILED", 14: "CUBLAS_STATUS_INTERNAL_ERROR",
+                 15: "CUBLAS_STATUS_NOT_SUPPORTED", 16: "CUBLAS_STATUS_LICENSE_ERROR"}
 CUDA_KINDS = (
     ("illegal memory access", "illegal-memory-access"), ("illegal address", "illegal-memory-access"),
     ("misaligned address", "illegal-memory-access"), ("unspecified launch failure", "illegal-memory-access"),
@@ -242,11 +247,18 @@ class CrashHandlers:
                           "text": self._quote(seg), **extra}, 8)
 
     def _on_cuda_error(self, m: re.Match, seg: str, lineno: int) -> None:
-        msg = (m["msg"] if m["msg"] is not None else m["bare"]) or ""
+        msg = next((m[g] for g in ("msg", "msg2", "msg3", "bare") if m[g] is not None), "")
         if msg.startswith("out of memory"):
             return  # memory.cuda-oom
+        if "_STATUS_" in msg:
+            return  # a cuBLAS / cuDNN status: _on_cuda_library
         kind = next((k for word, k in CUDA_KINDS if word in msg), "error")
-        self._cuda(kind, lineno, seg, msg)
+        self._cuda(kind, lineno, seg, msg, code=m["code"] or m["code2"])
+
+    def _on_cuda_library(self, m: re.Match, seg: str, lineno: int) -> None:
+        """cuBLAS / cuDNN said a call failed: its status name (DeepSpeed's kernels print cuBLAS's number)."""
+        status = m["status"] or CUBLAS_STATUS.get(int(m["code"]), f"cuBLAS status {m['code']}")
+        self._cuda("library-error", lineno, seg, status, status=status)
 
     def _on_cuda_driver(self, m: re.Match, seg: str, lineno: int) -> None:
         if "CUDA error" in seg:

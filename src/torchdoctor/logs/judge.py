@@ -11,6 +11,7 @@ from ..advice import fp16_collapse_fix
 from ..findings import Finding
 from .common import fmt_scale
 from .judge_crash import CrashJudge
+from .judge_cuda import CudaJudge
 from .judge_process import ProcessJudge
 from .scale_trajectory import judge_fp16
 
@@ -28,7 +29,7 @@ HF_HIDDEN_NAN_WHY = (
 HF_DEAD_LOGS = 5
 
 
-class Judges(ProcessJudge, CrashJudge):
+class Judges(ProcessJudge, CrashJudge, CudaJudge):
     """Mixin of :class:`~torchdoctor.logs.analyze.Analyzer`: the judging half."""
 
     def _judge(self) -> list[Finding]:

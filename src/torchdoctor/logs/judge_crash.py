@@ -1,4 +1,4 @@
-"""Judging crashes: the run's final exception (``process.exception``) and CUDA runtime errors (``cuda.*``).
+"""Judging crashes: the run's final exception (``process.exception``); CUDA runtime errors are :mod:`.judge_cuda`'s.
 
 A failed run is never "clean": its last traceback (or C++ ``terminate called``, or faulthandler dump) becomes
 ``process.exception`` with its exception line and the innermost frame in the user's own code. Which traceback:
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..findings import Finding
 from . import patterns as P
-from .common import clip
+from .common import at_step, clip
 from .families import FAMILIES
 from .lines import ERROR_LEVELS, strip_prefixes
 
@@ -66,10 +66,6 @@ def _frame_line(label: str, frame: dict) -> str:
     code = f": `{frame['code']}`" if frame.get("code") else ""
     return (f"{label}: File \"{frame['file']}\", line {frame['line']}, in {frame['func']}{code} "
             f"(log line {frame['log_line']})")
-
-
-def _at_step(e: dict) -> str:
-    return f" (step {e['step']})" if e.get("step") is not None else ""
 
 
 def _exc_text(exc: dict, n: int = 400) -> str:
@@ -219,7 +215,7 @@ class CrashJudge:
         seen = self._unknown.items()
         first = seen[0]
         went_on = self._progressed(first)
-        ev = [f"line {u['line']}{_at_step(u)}: {u['text']}" for u in seen]
+        ev = [f"line {u['line']}{at_step(u)}: {u['text']}" for u in seen]
         if self._unknown_n > len(seen):
             ev.insert(len(self._unknown.head), f"... {self._unknown_n - len(seen)} more such line(s)")
         if went_on:
@@ -231,144 +227,3 @@ class CrashJudge:
                         ["the line names what failed and which program printed it; the lines above it say what it "
                          "was doing"], {"text": first["text"], "line": first["line"], "count": self._unknown_n,
                                         "lines": seen, "training_went_on": went_on})]
-
-    # ----------------------------------------------------------------------------------------------- CUDA
-    def _judge_cuda(self) -> list[Finding]:
-        out: list[Finding] = []
-        errs = self._cuda_errors
-        blocking = ("rerun with CUDA_LAUNCH_BLOCKING=1: kernels then run synchronously, so the traceback points at "
-                    "the kernel that failed, not at a later call (CUDA reports errors asynchronously)")
-
-        def ev_of(kind: str) -> list[str]:
-            d = errs[kind]
-            ev = [f"line {e['line']}{_at_step(e)}: {e['text']}" for e in d["events"][:3]]
-            if d["count"] > 3:
-                ev.append(f"{d['count']} such line(s) in all")
-            return ev
-
-        def data_of(kind: str, **more) -> dict:
-            return {"count": errs[kind]["count"], "events": list(errs[kind]["events"]), **more}
-
-        if "illegal-memory-access" in errs:
-            msg = errs["illegal-memory-access"]["events"][0]["msg"]
-            out.append(Finding(
-                "cuda.illegal-memory-access", "fail", f"CUDA error: {msg}: a kernel read or wrote memory it must not",
-                ev_of("illegal-memory-access"),
-                [blocking,
-                 "compute-sanitizer --tool memcheck python train.py (the CUDA toolkit's tool) names the kernel and "
-                 "the bad address; with a small batch it runs in minutes",
-                 "usual causes: an out-of-range index or a custom/fused kernel (flash-attn, apex, DeepSpeed ops, "
-                 "Triton) built for another torch or GPU: rebuild it (torchdoctor env), or switch it off to see if "
-                 "the error goes; a failing GPU shows Xid lines in dmesg"],
-                data_of("illegal-memory-access")))
-        if "device-assert" in errs:
-            ev = ev_of("device-assert") + [f"line {a['line']}: {a['text']}" for a in self._device_asserts[:2]]
-            conds = " ".join(a["cond"] for a in self._device_asserts)
-            fix = [blocking,
-                   "a device-side assert is an index out of range inside a kernel: labels outside [0, num_classes) "
-                   "(or -1 instead of ignore_index=-100) in cross_entropy, token ids >= the embedding's size "
-                   "(a tokenizer with added tokens: model.resize_token_embeddings(len(tokenizer)))",
-                   "run the same batch on the CPU: the same mistake is a readable IndexError there"]
-            if "n_classes" in conds:
-                fix.insert(0, "the assert is cross-entropy's `t >= 0 && t < n_classes`: a label is negative or >= "
-                              "the number of classes")
-            elif "srcIndex" in conds or "index out of bounds" in conds:
-                fix.insert(0, "the assert is an indexing kernel's (embedding / index_select): an index >= the "
-                              "table's size, usually a token id >= vocab size")
-            out.append(Finding("cuda.device-assert", "fail", "CUDA error: device-side assert triggered", ev, fix,
-                               data_of("device-assert", asserts=list(self._device_asserts))))
-        if "no-kernel-image" in errs or self._cuda_capability:
-            cap = self._cuda_capability
-            ev = ev_of("no-kernel-image") if "no-kernel-image" in errs else []
-            what = "no kernel image for this GPU"
-            if cap:
-                ev.append(f"line {cap['line']}: {cap['text']}")
-                archs = " ".join(cap["arch_list"]) or "?"
-                what += f": the GPU is {cap['capability']}, the torch build has {archs}"
-            fix = ["compare torch.cuda.get_arch_list() (the architectures this torch build carries) with "
-                   "torch.cuda.get_device_capability() (the GPU's; (8, 9) is sm_89): `torchdoctor env` shows both",
-                   "install a torch build that includes this GPU's architecture (a newer wheel, or one for a newer "
-                   "CUDA from download.pytorch.org)",
-                   "for an extension you built (DeepSpeed ops, flash-attn, apex): rebuild it with "
-                   "TORCH_CUDA_ARCH_LIST set to the GPU's capability, e.g. TORCH_CUDA_ARCH_LIST=\"8.9\" pip install "
-                   "--no-build-isolation --force-reinstall ..."]
-            out.append(Finding("cuda.no-kernel-image", "fail" if "no-kernel-image" in errs else "warn",
-                               what, ev, fix,
-                               {**(data_of("no-kernel-image") if "no-kernel-image" in errs else {"count": 0}),
-                                "capability": cap}))
-        if "driver-too-old" in errs:
-            found = next((e.get("found") for e in errs["driver-too-old"]["events"] if e.get("found")), None)
-            ver = f" (found driver version {found})" if found else ""
-            out.append(Finding(
-                "cuda.driver-too-old", "fail",
-                f"the NVIDIA driver is too old for the CUDA runtime torch uses{ver}", ev_of("driver-too-old"),
-                ["nvidia-smi shows the driver and the newest CUDA it supports (top right); torch.version.cuda is what "
-                 "torch needs: `torchdoctor env` shows both",
-                 "update the driver, or install a torch build for an older CUDA (pip install torch --index-url "
-                 "https://download.pytorch.org/whl/cu118); in a container the host's driver is the one that counts"],
-                data_of("driver-too-old", found_version=found)))
-        if "ecc" in errs or self._ecc:
-            ev = (ev_of("ecc") if "ecc" in errs else []) + [f"line {e['line']}: {e['text']}" for e in self._ecc[:2]]
-            out.append(Finding(
-                "cuda.ecc", "fail", "an uncorrectable ECC memory error on a GPU: a hardware fault, not the code",
-                ev, ["nvidia-smi -q -d ECC,PAGE_RETIREMENT,ROW_REMAPPER on that node: pending retirements/remaps "
-                     "need a GPU reset (nvidia-smi -r) or a reboot",
-                     "take the node out of the pool (Slurm: scontrol update nodename=NODE state=drain "
-                     "reason=ecc) and tell its admins if it recurs; resume from the last checkpoint elsewhere"],
-                {"count": errs.get("ecc", {}).get("count", 0) + len(self._ecc), "lines": list(self._ecc)}))
-        if self._xids:
-            out.append(self._xid_finding())
-        if "error" in errs:
-            msg = errs["error"]["events"][0]["msg"]
-            fix = [blocking]
-            for words, hint in CUDA_ERROR_HINTS:
-                if any(w in msg for w in words):
-                    fix.insert(0, hint)
-            out.append(Finding("cuda.error", "fail", f"CUDA error: {msg}", ev_of("error"), fix, data_of("error")))
-        return out
-
-    def _xid_finding(self) -> Finding:
-        codes = sorted({x["code"] for x in self._xids})
-        meaning = [f"Xid {c}: {XID_MEANINGS[c]}" for c in codes if c in XID_MEANINGS]
-        hw = any(c in XID_HARDWARE for c in codes)
-        ev = [f"line {x['line']}: {x['text']}" for x in self._xids[:3]] + meaning
-        fix = ["nvidia-smi -q on that node (ECC, retired pages, clocks, power); dmesg -T | grep -i xid for the whole "
-               "history; NVIDIA's Xid catalog says what each code means"]
-        if hw:
-            fix.append("a hardware/driver-level Xid: drain the node (Slurm: scontrol update nodename=NODE state=drain "
-                       "reason=xid) and reset or replace the GPU; resume from the last checkpoint on another node")
-        else:
-            fix.append("Xid 13/31/43 usually follow an application error (an illegal memory access in a kernel): "
-                       "rerun with CUDA_LAUNCH_BLOCKING=1, compute-sanitizer")
-        return Finding("cuda.xid", "fail" if hw else "warn",
-                       f"the NVIDIA driver logged Xid {', '.join(map(str, codes))}"
-                       + (": a GPU hardware or driver fault" if hw else ": a GPU error (often the program's)"),
-                       ev, fix, {"xids": list(self._xids), "codes": codes})
-
-
-XID_MEANINGS = {
-    13: "graphics engine exception (often an out-of-range access in a kernel)",
-    31: "GPU memory page fault (an illegal address; the program's or the driver's)",
-    43: "GPU stopped processing (the program's kernel was killed after an error)",
-    45: "preemptive cleanup after an earlier error", 48: "double-bit ECC error (memory hardware)",
-    61: "internal micro-controller breakpoint", 62: "internal micro-controller halt",
-    63: "ECC page retirement / row remapping recorded", 64: "ECC page retirement / row remapping failed",
-    74: "NVLink error", 79: "the GPU has fallen off the bus (power, PCIe, overheating)",
-    92: "high single-bit ECC error rate", 94: "contained ECC error (restart the program)",
-    95: "uncontained ECC error (reset the GPU)", 109: "context switch timeout", 119: "GSP RPC timeout",
-    120: "GSP error",
-}
-XID_HARDWARE = {48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120}
-CUDA_ERROR_HINTS = (
-    (("initialization error",), "CUDA was initialised before a fork: DataLoader workers / multiprocessing that touch "
-     "CUDA need the 'spawn' start method (torch.multiprocessing.set_start_method('spawn')), and no CUDA calls at "
-     "import time"),
-    (("invalid device ordinal",), "a device index beyond the GPUs visible: CUDA_VISIBLE_DEVICES and "
-     "--nproc_per_node / --num_gpus must agree; each rank should use cuda:LOCAL_RANK"),
-    (("busy or unavailable",), "the GPU is in exclusive-process mode or taken: nvidia-smi shows its compute mode and "
-     "the processes on it"),
-    (("system not yet initialized",), "on NVSwitch systems (HGX A100/H100) the fabric manager must run: systemctl "
-     "status nvidia-fabricmanager, with the same version as the driver"),
-    (("CUBLAS_STATUS", "CUDNN_STATUS"), "a cuBLAS/cuDNN failure is often an earlier error surfacing (an illegal "
-     "access, out of memory) or mismatched shapes/dtypes; CUDA_LAUNCH_BLOCKING=1 shows which"),
-)

@@ -60,7 +60,7 @@ SCAN_ANCHORS = (
     # crashes: Python tracebacks, faulthandler, shells' signal messages, CUDA runtime errors, the driver
     "Traceback (most recent", "Fatal Python error", "Segmentation fault", "Bus error", "Illegal instruction",
     "Floating point exception", "Aborted", "CUDA error", "CUDA driver version", "NVIDIA driver", "NVRM: Xid",
-    "ECC error", "Assertion `", "CUDA capability",
+    "ECC error", "Assertion `", "CUDA capability", "THCudaCheck", "CUBLAS", "CUDNN",
     # errors in words no rule knows (handlers_crash._on_unknown_line): never a clean log
     "Error", "ERROR", "FATAL", "Check failed",
 )
@@ -94,7 +94,8 @@ FINITE_LOSS_RE = re.compile(
 #: "_scale" finds DeepSpeed's config print (min_loss_scale, 'min_scale', initial_scale_power, 'init_scale') and its
 #: update_scale traceback frame with one search.
 NEEDLES = ("bfloat16 and fp16 modes", "      : ", "error:", "unable to compile CUDA", "| loss scale: ", "_scale",
-           "died due to signal", "terminate called after")
+           "died due to signal", "terminate called after", "cuda runtime error", "no kernel image",
+           "device-side assert", "unspecified launch failure", "misaligned address", "kernel execution error")
 #: A traceback's frames and its last line (``ValueError: bad``, ``torch.AcceleratorError: CUDA error: ...``,
 #: ``KeyboardInterrupt``): searched with str.find only while a traceback is open, from where one starts (each
 #: needle is a pass over the buffer: ~25 ms per 40 MB, so none is searched where no traceback can be).
@@ -216,8 +217,22 @@ CPP_WHAT_RE = re.compile(_PFX + r"\s*what\(\):\s*(?P<msg>.*?)\s*$")
 DATALOADER_KILLED_RE = re.compile(
     r"DataLoader worker \(pid (?P<pid>\d+)\) is killed by signal: (?P<name>[A-Za-z ]+?)\.")
 #: CUDA runtime errors (torch's ``CUDA error: <cudaGetErrorString>``, flash-attn/NCCL's ``Cuda failure '...'``).
-CUDA_ERROR_RE = re.compile(r"CUDA error: (?P<msg>.*?)\s*$|(?P<bare>an illegal memory access was encountered"
-                           r"|no kernel image is available for execution on the device|device-side assert triggered)")
+#: CUDA runtime errors in every torch era's words (cudaGetErrorString's texts inside them): torch >= 1.x
+#: ``CUDA error: <text>`` (c10/cuda/CUDAException.cpp), THC (torch <= 1.10: aten/src/THC/THCGeneral.cpp)
+#: ``THCudaCheck FAIL file=F line=L error=N : <text>`` and ``cuda runtime error (N) : <text> at F:L``, other programs'
+#: (caffe's ``Cuda kernel failed. Error: <text>``) and the bare texts.
+CUDA_ERROR_RE = re.compile(
+    r"CUDA error: (?P<msg>.*?)\s*$"
+    r"|cuda runtime error \((?P<code>\d+)\) : (?P<msg2>.*?)(?: at \S+:\d+)?\s*$"
+    r"|THCudaCheck FAIL file=\S+ line=\d+ error=(?P<code2>\d+) : (?P<msg3>.*?)\s*$"
+    r"|(?P<bare>an illegal memory access was encountered|no kernel image is available for execution on the device"
+    r"|device-side assert triggered|unspecified launch failure|misaligned address|an illegal instruction was "
+    r"encountered)")
+#: cuBLAS and cuDNN failures (torch's ``CUDA error: CUBLAS_STATUS_... when calling ...``, ``cuDNN error: CUDNN_STATUS_
+#: ...``; other programs' ``CUBLAS failure 13: CUBLAS_STATUS_EXECUTION_FAILED``), and DeepSpeed's transformer kernel's
+#: ``!!!! kernel execution error. (m: M, n: N, k: K, error: S)`` (csrc/includes/cublas_wrappers: a cuBLAS status).
+CUDA_LIBRARY_RE = re.compile(r"(?P<status>CUBLAS_STATUS_[A-Z_]+|CUDNN_STATUS_[A-Z_]+)"
+                             r"|!!!! kernel execution error\. \(m: \d+, n: \d+, k: \d+, error: (?P<code>\d+)\)")
 CUDA_DRIVER_RE = re.compile(
     r"CUDA driver version is insufficient for CUDA runtime version"
     r"|The NVIDIA driver on your system is too old \(found version (?P<found>\d+)\)")
@@ -300,8 +315,19 @@ RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ("CUDA driver version", CUDA_DRIVER_RE, "_on_cuda_driver"),
     ("NVIDIA driver", CUDA_DRIVER_RE, "_on_cuda_driver"),
     ("is not compatible with the current PyTorch", CUDA_CAPABILITY_RE, "_on_cuda_capability"),
+    ("CUDA_STATUS_", CUDA_LIBRARY_RE, "_on_cuda_library"),
+    ("CUBLAS_STATUS_", CUDA_LIBRARY_RE, "_on_cuda_library"),
+    ("CUDNN_STATUS_", CUDA_LIBRARY_RE, "_on_cuda_library"),
+    ("kernel execution error", CUDA_LIBRARY_RE, "_on_cuda_library"),
     ("CUDA error", CUDA_ERROR_RE, "_on_cuda_error"),
+    ("cuda runtime error", CUDA_ERROR_RE, "_on_cuda_error"),
+    ("THCudaCheck", CUDA_ERROR_RE, "_on_cuda_error"),
     ("illegal memory access", CUDA_ERROR_RE, "_on_cuda_error"),
+    ("no kernel image", CUDA_ERROR_RE, "_on_cuda_error"),
+    ("device-side assert", CUDA_ERROR_RE, "_on_cuda_error"),
+    ("unspecified launch failure", CUDA_ERROR_RE, "_on_cuda_error"),
+    ("misaligned address", CUDA_ERROR_RE, "_on_cuda_error"),
+    ("illegal instruction was", CUDA_ERROR_RE, "_on_cuda_error"),
     ("Assertion `", DEVICE_ASSERT_RE, "_on_device_assert"),
     ("NVRM: Xid", XID_RE, "_on_xid"),
     ("ECC error", ECC_RE, "_on_ecc"),
