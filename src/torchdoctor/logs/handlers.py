@@ -12,10 +12,12 @@ from typing import Any
 from . import patterns as P
 from .common import CURRENT, add, num, seen, signal_name
 from .handlers_crash import CrashHandlers
+from .lines import strip_prefixes
 from .nonfinite import NonfiniteMessage
 from .scalers import ScalerMessage, scale_of_lg
 
-_OOM_ERROR_LINE = re.compile(r"(?<!except )(?<!except\()\b(?:\w+\.)*OutOfMemoryError: \S|CUDA error: out of memory")
+_OOM_ERROR_LINE = re.compile(r"(?<!except )(?<!except\()\b(?:\w+\.)*OutOfMemoryError: \S|CUDA error: out of memory"
+                             r"|cuda runtime error \(2\)|cudaSuccess\. 2 vs 0")
 _NONFINITE_WORDS = ("nan", "inf", "-inf", "+inf", "infinity", "-infinity")
 
 
@@ -353,14 +355,32 @@ class Handlers(CrashHandlers):
         if code:
             self._exit(lineno, seg, code, "torchrun", pid=int(m.group(3)), local_rank=int(m.group(2)))
 
+    def _torchrun_block(self) -> None:
+        """The host and rank lines of torchrun's failure summary, a few lines above its exitcode / signal line
+        (``  host      : node1``, ``  rank      : 3 (local_rank: 1)``): read back from there, not found by the scan."""
+        end = self._seg_start
+        back = self._buf[max(0, end - 800):end]
+        if end < 800:  # the block may have begun in the previous piece of the text
+            back = "".join(self._tail)[-(800 - end):] + back
+        for line in back.split("\n")[-7:]:
+            text = strip_prefixes(line).text
+            h = P.TORCHRUN_HOST_RE.match(text)
+            r = P.TORCHRUN_RANK_RE.match(text)
+            if h:
+                self._tr_host = h.group(1)
+            if r:
+                self._tr_rank, self._tr_local_rank = int(r.group(1)), int(r.group(2))
+
     def _on_torchrun_exitcode(self, m: re.Match, seg: str, lineno: int) -> None:
         code = int(m.group(1))
         if code:
+            self._torchrun_block()
             self._exit(lineno, seg, code, "torchrun", pid=int(m.group(2)) if m.group(2) else None,
                        rank=self._tr_rank, host=self._tr_host, local_rank=self._tr_local_rank)
         self._tr_rank = self._tr_host = self._tr_local_rank = None
 
     def _on_torchrun_signal(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._torchrun_block()
         self._exit(lineno, seg, -int(m.group(1)), "torchrun", pid=int(m.group(3)), rank=self._tr_rank,
                    host=self._tr_host, local_rank=self._tr_local_rank)
 

@@ -29,7 +29,10 @@ _LIBRARY_PARTS = ("site-packages", "dist-packages", "<frozen", "/lib/python", "\
                   "/usr/lib/python", "<attrs generated", "<__array_function__", "/bin/", "\\Scripts\\")
 #: The messages shells and strsignal print for a signal -> its number (Linux).
 SIGNAL_WORDS = {"Segmentation fault": 11, "Bus error": 7, "Illegal instruction": 4, "Floating point exception": 8,
-                "Aborted": 6, "Killed": 9, "Terminated": 15, "Interrupt": 2, "Hangup": 1, "Quit": 3}
+                "Aborted": 6, "Killed": 9, "Terminated": 15, "Interrupt": 2, "Hangup": 1, "Quit": 3,
+                # zsh's words (lower case; "illegal hardware instruction", "abort")
+                "segmentation fault": 11, "bus error": 7, "illegal instruction": 4, "illegal hardware instruction": 4,
+                "floating point exception": 8, "abort": 6}
 #: CUDA runtime messages -> the finding's kind (the first that is in the message wins).
 #: cublasStatus_t (cublas_api.h): the numbers programs print for it
 CUBLAS_STATUS = {1: "CUBLAS_STATUS_NOT_INITIALIZED", 3: "CUBLAS_STATUS_ALLOC_FAILED", 7: "CUBLAS_STATUS_INVALID_VALUE",
@@ -227,10 +230,13 @@ class CrashHandlers:
 
     # ------------------------------------------------------------------------------------- signals
     def _on_shell_signal(self, m: re.Match, seg: str, lineno: int) -> None:
-        """``Segmentation fault (core dumped)``, ``script.sh: line 3: 123 Bus error  python x.py`` (bash, Slurm)."""
-        if not (m["pid"] or m["core"] or not m["rest"].strip()):
+        """``Segmentation fault (core dumped)``, ``script.sh: line 3: 123 Bus error  python x.py`` (bash, Slurm),
+        ``zsh: segmentation fault  python x.py``."""
+        if not (m["pid"] or m["core"] or m["zsh"] or not m["rest"].strip()):
             return  # "Aborted training ..." is a sentence, not a shell's report
-        self._exit(lineno, seg, -SIGNAL_WORDS[m["name"]], "shell", pid=int(m["pid"]) if m["pid"] else None)
+        name = m["name"]
+        sig = SIGNAL_WORDS.get(name) or SIGNAL_WORDS.get(name.lower()) or SIGNAL_WORDS[name.capitalize()]
+        self._exit(lineno, seg, -sig, "shell", pid=int(m["pid"]) if m["pid"] else None)
 
     def _on_dataloader_killed(self, m: re.Match, seg: str, lineno: int) -> None:
         sig = SIGNAL_WORDS.get(m["name"].strip())

@@ -221,9 +221,12 @@ class CrashJudge:
         if went_on:
             ev.append(f"training went on after the first one (to step {self._step}): check that it is harmless")
         what = "an exception" if first["kind"] == "exception" else "an error"
+        fatal = next((u for u in seen if u["level"] in ("FATAL", "CRITICAL")), None)
+        if fatal is not None:  # glog's F and a logger's FATAL end the process: the run died there
+            first, what = fatal, "a fatal error"
         title = (f"{what} no rule here knows, at line {first['line']}: {clip(first['text'], 160)}"
                  + (f" ({self._unknown_n} such lines)" if self._unknown_n > 1 else ""))
-        return [Finding("process.error-line", "warn", title, ev,
+        return [Finding("process.error-line", "fail" if fatal is not None and not went_on else "warn", title, ev,
                         ["the line names what failed and which program printed it; the lines above it say what it "
                          "was doing"], {"text": first["text"], "line": first["line"], "count": self._unknown_n,
                                         "lines": seen, "training_went_on": went_on})]

@@ -92,8 +92,9 @@ MESSAGES: tuple[NonfiniteMessage, ...] = (
 )
 
 #: literals for the scanner's prefilter (upper-case first letters are cheap there); NEEDLES for the rest
-ANCHORS = ("Loss is", "Loss became", "Detected nan", "Detected inf", "NaN detected", "Inf detected",
-           "Unexpected result", "The total norm", "Non-finite norm", "Function '", "The loss returned",
+ANCHORS = ("Loss is", "Loss became", "WARNING: non-finite", "NaN!", "Detected nan", "Detected inf", "NaN detected",
+           "Inf detected", "Unexpected result", "The total norm", "Non-finite norm", "Function '", "The loss returned",
            "Monitored metric", "Loss or gradient", "NaN/Inf detected", "NaN persisted")
-NEEDLES = ("stopping training", "non-finite loss", "loss become infinite", "gradients are Nan", "in local grad norm",
-           "in local forward loss")
+#: (no needles: the lower-case sentences come on an exception or error line -- the analyzer's "rror" needle -- or
+#: after "Loss is" / "WARNING: non-finite")
+NEEDLES: tuple[str, ...] = ()

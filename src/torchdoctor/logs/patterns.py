@@ -90,12 +90,12 @@ NORM_SCAN_RE = re.compile(r"""_norm['"]?[ \t]*[:=][ \t]*['"]?""" + _NONFINITE)
 #: A finite loss value (checked only after a non-finite one, to tell whether training recovered; a 0 is not one).
 FINITE_LOSS_RE = re.compile(
     r"(?P<key>\w*[lL]oss)" + _LOSS_SEP + r"(?:tensor\()?(?P<v>[-+]?(?:\d|\.\d)[\d.]*(?:[eE][-+]?\d+)?)")
-#: Plain substrings searched with str.find (their first characters are too common for SCAN_RE).
-#: "_scale" finds DeepSpeed's config print (min_loss_scale, 'min_scale', initial_scale_power, 'init_scale') and its
-#: update_scale traceback frame with one search.
-NEEDLES = ("bfloat16 and fp16 modes", "      : ", "error:", "unable to compile CUDA", "| loss scale: ", "_scale",
-           "died due to signal", "terminate called after", "cuda runtime error", "no kernel image",
-           "device-side assert", "unspecified launch failure", "misaligned address", "kernel execution error")
+#: Plain substrings searched with str.find (their first characters are too common for SCAN_RE): each is a pass over
+#: the text (~0.3 ms per MB), so they are few and wide. "_scale" finds DeepSpeed's config print (min_loss_scale,
+#: 'min_scale', initial_scale_power, 'init_scale') and its update_scale traceback frame; "rror" every error and
+#: Error line (CUDA's and the compilers' words, exception lines, "[error]"), which the message tables' lower-case
+#: sentences stand on; zsh's "segmentation fault"; C++'s "terminate called after".
+NEEDLES = ("_scale", "| loss scale: ", "rror", "segmentation fault", "terminate called after")
 #: A traceback's frames and its last line (``ValueError: bad``, ``torch.AcceleratorError: CUDA error: ...``,
 #: ``KeyboardInterrupt``): searched with str.find only while a traceback is open, from where one starts (each
 #: needle is a pass over the buffer: ~25 ms per 40 MB, so none is searched where no traceback can be).
@@ -161,7 +161,11 @@ CUDA_OOM_GPU_RE = re.compile(
     rf"|\(GPU (?P<gpu_old>\d+); (?P<total_old>{_SIZE}) total capacity; (?P<alloc_old>{_SIZE}) already allocated;"
     rf" (?P<free_old>{_SIZE}) free")
 CUDA_OOM_FRAG_RE = re.compile(rf"(?P<unalloc>{_SIZE}) is reserved by PyTorch but unallocated")
-CUDA_OOM_ERROR_RE = re.compile(r"CUDA error: out of memory|OutOfMemoryError")
+#: a CUDA out-of-memory without the caching allocator's message: the runtime's own (torch's ``CUDA error: out of
+#: memory``, THC's ``cuda runtime error (2) : out of memory``, caffe2's ``error == cudaSuccess. 2 vs 0. ... out of
+#: memory``) or only the exception's type
+CUDA_OOM_ERROR_RE = re.compile(r"CUDA error: out of memory|OutOfMemoryError|cuda runtime error \(2\) : out of memory"
+                               r"|error == cudaSuccess\. 2 vs 0\..*out of memory")
 MEM_GPU_RE = re.compile(rf"MA ({NUM}) GB\s+Max_MA ({NUM}) GB\s+CA ({NUM}) GB\s+Max_CA ({NUM}) GB")
 MEM_CPU_RE = re.compile(rf"CPU Virtual Memory:\s+used = ({NUM}) GB, percent = ({NUM})%")
 HOST_OOM_RE = re.compile(
@@ -209,8 +213,9 @@ FATAL_PY_RE = re.compile(r"Fatal Python error: (?P<what>[^\n]*?)\s*$")
 #: What a shell (bash, Slurm's script) prints when the command died of a signal; ``Aborted`` alone only with the
 #: shell's ``line N: PID`` prefix or ``(core dumped)``.
 SHELL_SIGNAL_RE = re.compile(
-    r"(?:^|: line \d+: +(?P<pid>\d+) )"
-    r"(?P<name>Segmentation fault|Bus error|Illegal instruction|Floating point exception|Aborted)"
+    r"(?:^|: line \d+: +(?P<pid>\d+) |(?P<zsh>zsh: ))"
+    r"(?P<name>(?i:segmentation fault|bus error|illegal instruction|illegal hardware instruction|floating point "
+    r"exception)|Aborted|abort(?= ))"
     r"(?P<core>\s+\(core dumped\))?(?P<rest>.*)$")
 CPP_TERMINATE_RE = re.compile(r"terminate called after throwing an instance of '(?P<type>[^']+)'")
 CPP_WHAT_RE = re.compile(_PFX + r"\s*what\(\):\s*(?P<msg>.*?)\s*$")
@@ -332,6 +337,8 @@ RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ("NVRM: Xid", XID_RE, "_on_xid"),
     ("ECC error", ECC_RE, "_on_ecc"),
     ("Segmentation fault", SHELL_SIGNAL_RE, "_on_shell_signal"),
+    ("segmentation fault", SHELL_SIGNAL_RE, "_on_shell_signal"),
+    ("zsh: ", SHELL_SIGNAL_RE, "_on_shell_signal"),
     ("Bus error", SHELL_SIGNAL_RE, "_on_shell_signal"),
     ("Illegal instruction", SHELL_SIGNAL_RE, "_on_shell_signal"),
     ("Floating point exception", SHELL_SIGNAL_RE, "_on_shell_signal"),

@@ -92,7 +92,7 @@ MESSAGES: tuple[ScalerMessage, ...] = (
 #: literals for the scanner's prefilter: each message's line holds one
 ANCHORS = ("Gradient overflow", "Skipping step", "Using dynamic loss scale", "Minimum loss scale", "AMP: overflow",
            "Overflow occurs", "Found overflow", "No overflow for", "Check overflow", "Found NaN, decreased")
-NEEDLES = ("gradient overflow detected",)
+NEEDLES: tuple[str, ...] = ()  # fairseq's "gradient overflow detected": the analyzer's "verflow" anchor
 
 
 def scale_of_lg(lg: float) -> float:

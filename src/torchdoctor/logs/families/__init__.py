@@ -7,7 +7,9 @@ analyzer is :class:`.base.LineContext`: record an event, quote the line, the lin
 is at, the lines that follow. Message tables cite the source file (and commit or version) each message was read from.
 
 Families: :mod:`.comm` (NCCL, c10d, gloo, the store and rendezvous), :mod:`.build` (CUDA toolkits, host compilers,
-extensions built for another torch).
+extensions built for another torch), :mod:`.hostmem` (host RAM that ran out inside the program), :mod:`.gpu` (GPUs a
+kernel library or this torch does not support). The numerics of a run (the fp16 loss scale, non-finite losses and
+gradients: :mod:`..scalers`, :mod:`..nonfinite`) and crashes share the analyzer's own state and stay in its mixins.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from __future__ import annotations
 from .base import Family, LineContext
 from .build import Build
 from .comm import Comm
+from .gpu import GpuSupport
+from .hostmem import HostMemory
 
 #: every family, in the order their findings are listed
-FAMILIES: tuple[type[Family], ...] = (Comm, Build)
+FAMILIES: tuple[type[Family], ...] = (Comm, Build, HostMemory, GpuSupport)
 
-__all__ = ["FAMILIES", "Build", "Comm", "Family", "LineContext"]
+__all__ = ["FAMILIES", "Build", "Comm", "Family", "GpuSupport", "HostMemory", "LineContext"]

@@ -168,9 +168,10 @@ class Comm(Family):
                "Got completion", "Read error", "Connect timeout", "Timed out waiting", "The client socket",
                "The server socket", "EADDRINUSE", "Rendezvous", "The connection to ", "Duplicate GPU",
                "Failed to recv", "Failed to send", "Bootstrap :", "Connection reset by peer", "Broken pipe",
-               "Socket Timeout")
-    NEEDLES = ("onnect to", "already in use", "timeout after", "Wait timeout for key", "members to join",
-               "waiting for clients", "store based barrier", "watchdog", "invalid device ordinal")
+               "Socket Timeout", "Address already in use", "Wait timeout", "Timed out initializing")
+    # lower-case sentences stand on the analyzer's wide needles: an exception line ("...Error: wait timeout after"),
+    # an NCCL / c10 prefix (the "NCCL" and "ProcessGroupNCCL" anchors)
+    NEEDLES = ()
     CAUSE_EVENTS = frozenset({"nccl-timeout", "nccl-error", "nccl-abort", "nccl-heartbeat-timeout", "comm-network",
                               "comm-rendezvous", "comm-invalid-usage", "gloo-timeout"})
 
