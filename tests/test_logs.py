@@ -405,7 +405,8 @@ def test_stdin(monkeypatch, capsys):
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"findings", "timeline", "lines", "timeline_dropped", "event_counts"}
     assert out["lines"] == 15 and out["findings"][0]["id"] == "loss.nonfinite"
-    assert out["timeline"][0] == {"line": 13, "step": 50, "event": "loss-nonfinite",
+    assert out["timeline"][0] == {"line": 13, "step": 50, "event": "loss-nonfinite", "step_from": "bar",
+                                  "planned": 750,  # the step is the Trainer's progress bar's count
                                   "text": "{'loss': nan, 'grad_norm': nan, 'learning_rate': 4.95e-05, 'epoch': 0.20}"}
 
 

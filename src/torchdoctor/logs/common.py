@@ -82,9 +82,17 @@ def scale_val(x: float) -> int | float:
     return int(x) if math.isfinite(x) and x == int(x) and abs(x) < 2**63 else x
 
 
+def step_words(e: dict) -> str:
+    """``step N``, or ``progress N/M`` when a progress bar was all that said where the run was (its count may be
+    batches of an epoch, samples or steps: calling it a step would claim what the log does not say)."""
+    if e.get("step_from") == "bar":
+        return f"progress {e['step']}" + (f"/{e['planned']}" if e.get("planned") else "")
+    return f"step {e['step']}"
+
+
 def at_step(e: dict) -> str:
-    """`` (step N)`` for an event that knows its step, else nothing."""
-    return f" (step {e['step']})" if e.get("step") is not None else ""
+    """`` (step N)`` / `` (progress N/M)`` for an event that knows where the run was, else nothing."""
+    return f" ({step_words(e)})" if e.get("step") is not None else ""
 
 
 def clip(text: str, n: int = TEXT_MAX) -> str:

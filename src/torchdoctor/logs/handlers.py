@@ -228,10 +228,12 @@ class Handlers(CrashHandlers):
         name = loss_name(key, seg[:at] if at > 0 else "")
         if len(self._nf_keys) < 64 or name in self._nf_keys:
             self._nf_keys[name] = self._seg_end
-        d = {"line": lineno, "step": self._step, "key": key, "value": value, "text": e["text"], "hidden": hidden}
+        d = {"line": lineno, "step": self._step, "key": key, "value": value, "text": e["text"], "hidden": hidden,
+             "step_from": e.get("step_from"), "planned": e.get("planned")}
         sm = P.STEP_KEY_RE.search(seg) or P.GLOBAL_STEP_RE.search(seg)
         if sm:  # a metrics dict that names its own step
             d["step"] = e["step"] = int(sm.group(1))
+            d["step_from"] = e["step_from"] = None
         em = P.EPOCH_RE.search(seg)
         if em:
             d["epoch"] = float(em.group(1))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..advice import fp16_collapse_fix
 from ..findings import Finding
-from .common import fmt_scale
+from .common import fmt_scale, step_words
 from .judge_crash import CrashJudge
 from .judge_cuda import CudaJudge
 from .judge_process import ProcessJudge
@@ -27,6 +27,18 @@ HF_HIDDEN_NAN_WHY = (
 
 #: Trainer log dicts in a row, up to the end, with a non-finite grad_norm (and a finite loss): the model is not training
 HF_DEAD_LOGS = 5
+
+
+def oom_sizes(oom: dict) -> dict | None:
+    """The bytes of a CUDA out-of-memory message's request, free memory and reserved-but-unallocated memory, when it
+    says all three (torch >= 2.1's format)."""
+    from ..units import SizeError, parse_bytes
+
+    try:
+        return {k: int(parse_bytes(oom[f].replace(" ", ""))) for k, f in
+                (("tried", "tried_to_allocate"), ("free", "free"), ("unallocated", "reserved_unallocated"))}
+    except (KeyError, TypeError, AttributeError, SizeError):
+        return None
 
 
 class Judges(ProcessJudge, CrashJudge, CudaJudge):
@@ -56,7 +68,10 @@ class Judges(ProcessJudge, CrashJudge, CudaJudge):
                   "errors, CUDA and host out-of-memory, killed processes and crashes, tracebacks, CUDA runtime "
                   "errors, CUDA/compiler build failures"]
             if self._max_step is not None:
-                ev.append(f"last step seen: {self._step}" + (f" of {self._planned}" if self._planned else ""))
+                where = {"step": self._step, "step_from": self._step_from, "planned": self._planned}
+                ev.append(f"last {step_words(where)} seen (a progress bar's count: batches or steps)"
+                          if self._step_from == "bar" else
+                          f"last step seen: {self._step}" + (f" of {self._planned}" if self._planned else ""))
             lines = f"{self._lines} line{'' if self._lines == 1 else 's'}"
             out.append(Finding("logs.clean", "ok", f"no failure signatures in {lines}", evidence=ev,
                                data={"lines": self._lines, "last_step": self._step}))
@@ -132,7 +147,7 @@ class Judges(ProcessJudge, CrashJudge, CudaJudge):
         if not self._loss_nf:
             return []
         f, last = self._loss_first, self._loss_last
-        at = f"step {f['step']}, line {f['line']}" if f["step"] is not None else f"line {f['line']}"
+        at = f"{step_words(f)}, line {f['line']}" if f["step"] is not None else f"line {f['line']}"
         if f["step"] is None and f.get("epoch") is not None:
             at = f"epoch {f['epoch']:g}, line {f['line']}"
         ev = [f"first non-finite {f['key']} ({f['value']}) at {at}: {f['text']}"]
@@ -189,14 +204,28 @@ class Judges(ProcessJudge, CrashJudge, CudaJudge):
         if self._gpu_mem_max:
             ev.append(f"DeepSpeed's memory report peaked at Max_MA {self._gpu_mem_max[0]} GB, "
                       f"Max_CA {self._gpu_mem_max[1]} GB")
-        fix = [
-            "torchdoctor ds memory --params <N> --config ds.json estimates the per-GPU model states for every ZeRO "
-            "setup: move to ZeRO-3 or offload the optimizer to CPU if they do not fit",
-            "lower train_micro_batch_size_per_gpu (per_device_train_batch_size) and raise "
-            "gradient_accumulation_steps to keep the global batch; enable activation checkpointing "
-            "(model.gradient_checkpointing_enable())",
-        ]
-        if any("reserved_unallocated" in o for o in self._cuda_oom):
+        batch = ("lower the batch per GPU and raise gradient accumulation to keep the global batch "
+                 + ("(train_micro_batch_size_per_gpu / gradient_accumulation_steps; per_device_train_batch_size with "
+                    "the HF Trainer)" if self._deepspeed else "(per_device_train_batch_size with the HF Trainer)")
+                 + "; activation checkpointing (model.gradient_checkpointing_enable()); bf16/fp16 activations")
+        if self._deepspeed:
+            states = ("torchdoctor ds memory --params <N> --config ds.json estimates the per-GPU model states for "
+                      "every ZeRO setup: move to ZeRO-3 or offload the optimizer to CPU if they do not fit")
+        else:
+            states = ("if the model's own states (weights, gradients, optimizer) do not fit one GPU: shard them "
+                      "(FSDP's fully_shard, or DeepSpeed ZeRO-3; `torchdoctor ds memory --params <N>` sizes each "
+                      "setup) or use more GPUs")
+        fix = [batch, states]
+        sizes = oom_sizes(first)
+        if sizes is not None and sizes["tried"] > sizes["free"] + sizes["unallocated"]:
+            # one request larger than all the memory the allocator could free: defragmenting cannot serve it
+            ev.append(f"the one request ({first['tried_to_allocate']}) is more than the GPU's free memory "
+                      f"({first['free']}) and what PyTorch holds reserved but unallocated "
+                      f"({first['reserved_unallocated']}) together: no allocator setting can serve it")
+            fix.insert(0, "that single tensor is too large for the GPU: shrink what makes it (the batch, the image "
+                          "resolution or volume, the sequence length; process it in tiles or chunks, e.g. a "
+                          "sliding-window inference) -- expandable_segments cannot help a request this size")
+        elif any("reserved_unallocated" in o for o in self._cuda_oom):
             fix.append("memory reserved but unallocated is fragmentation: "
                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
         return [Finding("memory.cuda-oom", "fail", f"CUDA out of memory{where}{at}{req}", ev, fix,

@@ -70,14 +70,18 @@ class ProcessJudge:
             if run is not None and primary["host"] and run.get("host") and not same_host(primary["host"], run["host"]):
                 run = None
             if sig == 9:
-                fix = [
-                    "dmesg -T | grep -i oom (or journalctl -k | grep -i oom) on that host confirms an OOM kill",
-                    "torchdoctor ds memory --params <N> --config ds.json estimates the host RAM per node for your ZeRO "
-                    "setup: CPU offload (offload_optimizer / offload_param to cpu) and loading the full model on "
-                    "every rank need it",
-                    "with ZeRO-3, offload to NVMe instead of CPU, build the model under deepspeed.zero.Init (HF: "
-                    "from_pretrained with the DeepSpeed config set up first), use fewer dataloader workers",
-                ]
+                fix = ["dmesg -T | grep -i oom (or journalctl -k | grep -i oom) on that host confirms an OOM kill"]
+                if self._deepspeed:
+                    fix += ["torchdoctor ds memory --params <N> --config ds.json estimates the host RAM per node for "
+                            "your ZeRO setup: CPU offload (offload_optimizer / offload_param to cpu) and loading the "
+                            "full model on every rank need it",
+                            "with ZeRO-3, offload to NVMe instead of CPU, build the model under deepspeed.zero.Init "
+                            "(HF: from_pretrained with the DeepSpeed config set up first), use fewer dataloader "
+                            "workers"]
+                else:
+                    fix += ["host RAM per node: every rank that loads the whole model holds a copy -- load it once "
+                            "and lazily (from_pretrained(..., low_cpu_mem_usage=True), torch.load(..., mmap=True), "
+                            "safetensors), fewer ranks or dataloader workers per node, or a node with more RAM"]
                 if self._cancel:
                     cause = f"the job was cancelled by the scheduler ({self._cancel['reason'].lower()})"
                 elif self._host_oom_n:

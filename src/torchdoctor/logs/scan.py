@@ -120,6 +120,8 @@ class Scanner:
         self._line = Logical("")   # ... and as its program printed it (lines.strip_prefixes)
         # progress
         self._step: int | None = None
+        self._step_from = "step"   # "bar": the step is a progress bar's count (see _set_step)
+        self._deepspeed = False    # the log is a DeepSpeed job's (advice may name its config keys)
         self._max_step: int | None = None
         self._planned: int | None = None
         self._ds_skipped: int | None = None
@@ -474,11 +476,11 @@ class Scanner:
             n, total = int(m.group(1)), int(m.group(2))
             # a finished bar may be a preprocessing one: remember what it replaces (see _training_metrics)
             self._bar_done = (self._step, self._max_step, self._planned) if n == total else None
-            self._set_step(n)
+            self._set_step(n, "bar")
             self._planned = total
         else:
             self._bar_done = None
-            self._set_step(int(m.group(3)))
+            self._set_step(int(m.group(3)), "bar")
         return True
 
     def _training_metrics(self, seg: str) -> None:
@@ -496,8 +498,10 @@ class Scanner:
             self._ds_step = int(m.group(1))
             self._ds_skipped = int(m.group(2))
 
-    def _set_step(self, n: int) -> None:
-        self._step = n
+    def _set_step(self, n: int, source: str = "step") -> None:
+        """The step the log is at; ``source`` "bar" when only a progress bar says so (its count may be batches of an
+        epoch, not optimizer steps: findings then say "progress N/M", never "step N")."""
+        self._step, self._step_from = n, source
         if self._max_step is None or n > self._max_step:
             self._max_step = n
 
@@ -510,6 +514,8 @@ class Scanner:
             seg = P.ANSI_RE.sub("", seg)
         line = strip_prefixes(seg)
         self._phys, self._line = seg, line
+        if not self._deepspeed and ("eepspeed" in seg or "eepSpeed" in seg or "skipped=" in seg):
+            self._deepspeed = True
         text = line.text
         if "it/s" in text or "s/it" in text:
             self._resolve_progress()
@@ -579,6 +585,10 @@ class Scanner:
 
     def _event(self, lineno: int, event: str, seg: str, step: Any = CURRENT) -> dict:
         e = {"line": lineno, "step": self._step if step is CURRENT else step, "event": event, "text": self._quote(seg)}
+        if step is CURRENT and self._step_from == "bar" and self._step is not None:
+            e["step_from"] = "bar"
+            if self._planned:
+                e["planned"] = self._planned
         line = self._line
         if seg is line.text:
             if line.rank is not None:

@@ -77,6 +77,9 @@ DS_OPS_MISMATCH_RE = re.compile(r"(?P<what>PyTorch|CUDA) version mismatch! DeepS
                                 r"with a different version")
 XFORMERS_RE = re.compile(r"xFormers can't load C\+\+/CUDA extensions|xFormers was built for a different version")
 
+#: the CUDA versions torch wheels are published for (download.pytorch.org/whl/cuXYZ): 1.x's and 2.x's
+TORCH_CUDA_BUILDS = frozenset({"10.2", "11.1", "11.3", "11.6", "11.7", "11.8", "12.1", "12.4", "12.6", "12.8", "12.9",
+                               "13.0"})
 ENV_FIX = ("torchdoctor env shows torch's CUDA, every CUDA toolkit on the machine, which one builds use, and the host "
            "compiler")
 #: the torch-dependent packages people meet this with, and how each is reinstalled for the torch in use
@@ -287,11 +290,18 @@ class Build(Family):
         what = {"fail": "extensions cannot be built", "warn": "forced with DS_SKIP_CUDA_CHECK=1",
                 "info": "accepted: same major version, compatible APIs"}[worst["verdict"]]
         want = worst["torch"] or "X.Y (python -c 'import torch; print(torch.version.cuda)')"
+        system = worst["system"]
+        if system is None:
+            other = ", or install the torch build for the toolkit you have (nvcc --version)"
+        elif system in TORCH_CUDA_BUILDS:
+            other = (f", or install the torch build for CUDA {system} (pip install torch --index-url "
+                     f"https://download.pytorch.org/whl/cu{system.replace('.', '')})")
+        else:
+            other = f" (no torch release is built for CUDA {system}: the toolkit is what has to change)"
         fix = [ENV_FIX,
                f"make the toolkit match torch: install CUDA {want} and export "
                f"CUDA_HOME=/usr/local/cuda-{worst['torch'] or 'X.Y'} "
-               f"PATH=/usr/local/cuda-{worst['torch'] or 'X.Y'}/bin:$PATH, or install the torch build for CUDA "
-               f"{worst['system'] or 'the toolkit you have (nvcc --version)'}",
+               f"PATH=/usr/local/cuda-{worst['torch'] or 'X.Y'}/bin:$PATH{other}",
                "or prebuild the DeepSpeed ops on a matching machine: torchdoctor env --prebuild"]
         if worst["system"] is None:
             ev.append("torch's _check_cuda_version raises CUDA_MISMATCH_MESSAGE when nvcc's CUDA version differs from "
