@@ -205,8 +205,10 @@ class CrashJudge:
                                  "traceback": False})]
         for line, logical in reversed(tail):
             if logical.level in ERROR_LEVELS or P.ERROR_LINE_RE.search(logical.text):
-                return [Finding("process.error-line", "warn",
-                                f"the output ends with an error no rule here knows: {clip(line, 200)}",
+                fatal = logical.level in ("FATAL", "CRITICAL")  # glog's F, a FATAL logger line: the process died
+                return [Finding("process.error-line", "fail" if fatal else "warn",
+                                f"the output ends with {'a fatal error' if fatal else 'an error'} no rule here knows: "
+                                f"{clip(line, 200)}",
                                 [f"last lines: {x}" for x in self.last_lines(4)],
                                 ["the line names what failed and which program printed it; the lines above it say "
                                  "what it was doing"], {"text": clip(line), "count": self._unknown_n})]

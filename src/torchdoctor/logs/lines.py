@@ -120,11 +120,12 @@ _NEW_LINE_RE = re.compile(
 def wrap_width(text: str) -> int | None:
     """The width a terminal cut this text's lines at, or None.
 
-    The width is the longest line length, when at least ``WRAP_MIN_LINES`` different lines have exactly that length
-    and look cut (:func:`_cut`: tqdm pads its lines with spaces to the width, and rules drawn with one character
-    such as torchrun's ``=====`` are no cuts), and at least one of them is cut inside a word: its last character and
-    the next line's first one are both word characters, and the next line does not start like a line of its own.
-    Lines of one length that happen to be the longest (a message repeated, progress bars) are not wraps."""
+    The width is the longest line length, when at least ``WRAP_MIN_LINES`` lines of exactly that length look cut
+    (:func:`_cut`: tqdm pads its lines with spaces to the width, rules drawn with one character such as torchrun's
+    ``=====`` are no cuts) and are each followed by a continuation: a shorter line that does not start like a line of
+    its own -- neither in :data:`_NEW_LINE_RE`'s forms (a rank prefix, a timestamp, a frame) nor with a first word
+    that starts lines elsewhere in the text. Lines of one length that happen to be the longest (fixed-format metric
+    lines, a message repeated, progress bars) are not wraps: their next line starts the way other lines start."""
     lines = text[:WRAP_SAMPLE].split("\n")
     if len(lines) < 2:
         return None
@@ -132,23 +133,28 @@ def wrap_width(text: str) -> int | None:
     width = max(counts)
     if width < WRAP_MIN_WIDTH or counts[width] < WRAP_MIN_LINES:
         return None
-    full = {ln for ln in lines if len(ln) == width and _cut(ln)}
-    if len(full) < WRAP_MIN_LINES:
-        return None
-    for ln, nxt in zip(lines, lines[1:]):
-        if len(ln) == width and ln in full and nxt and _wordish(ln[-1]) and _wordish(nxt[0]) \
-                and not _NEW_LINE_RE.match(nxt):
-            return width
+    after_full = {i + 1 for i, ln in enumerate(lines[:-1]) if len(ln) == width}
+    starts = Counter(_first_word(ln) for i, ln in enumerate(lines) if i not in after_full)
+    cuts = 0
+    for i in sorted(after_full):
+        ln, nxt = lines[i - 1], lines[i]
+        if _cut(ln) and nxt and len(nxt) < width and not _NEW_LINE_RE.match(nxt) and not starts[_first_word(nxt)]:
+            cuts += 1
+            if cuts >= WRAP_MIN_LINES:
+                return width
     return None
 
 
-def _wordish(c: str) -> bool:
-    return c.isalnum() or c == "_"
+def _first_word(line: str) -> str:
+    parts = line.split(None, 1)
+    return parts[0][:12] if parts else ""
 
 
 def _cut(line: str) -> bool:
-    """A line a terminal may have cut: it does not end in a space and is not one character repeated."""
-    return not line[-1].isspace() and line.count(line[-1]) < len(line) - 1 and "\r" not in line
+    """A line a terminal may have cut: not padded with spaces (tqdm pads to the width; a cut may fall on one space),
+    not one character repeated (a rule of ``=====``), no carriage return."""
+    return not line.endswith(("  ", "\t")) and line.rstrip() and line.count(line[-1]) < len(line) - 1 \
+        and "\r" not in line
 
 
 def dewrap(text: str, width: int | None = None) -> tuple[str, list[int]]:

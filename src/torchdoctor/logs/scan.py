@@ -493,6 +493,7 @@ class Scanner:
     def _ds_step_line(self, seg: str) -> None:
         m = P.DS_STEP_RE.search(seg)
         if m:
+            self._deepspeed = True  # DeepSpeed's engine prints it
             self._bar_done = None
             self._set_step(int(m.group(1)))
             self._ds_step = int(m.group(1))

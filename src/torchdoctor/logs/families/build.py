@@ -396,10 +396,9 @@ def _package_of(lib: str) -> str:
 
 def _demangle_hint(sym: str) -> str | None:
     """A C++ symbol of torch's libraries (c10, at, torch, caffe2) named in words, without a demangler."""
-    m = re.match(r"_ZN(?:K)?(\d+)(\w+)", sym)
-    if not m:
+    if not re.match(r"_ZNK?\d", sym):
         return None
-    parts, rest = [], sym[2:].lstrip("K")
+    parts, rest = [], sym[3:].lstrip("K")
     while rest and rest[0].isdigit() and len(parts) < 4:
         n = re.match(r"\d+", rest).group()
         parts.append(rest[len(n): len(n) + int(n)])
