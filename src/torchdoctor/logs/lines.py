@@ -122,9 +122,9 @@ def wrap_width(text: str) -> int | None:
 
     The width is the longest line length, when at least ``WRAP_MIN_LINES`` lines of exactly that length look cut
     (:func:`_cut`: tqdm pads its lines with spaces to the width, rules drawn with one character such as torchrun's
-    ``=====`` are no cuts) and are each followed by a continuation: a shorter line that does not start like a line of
-    its own -- neither in :data:`_NEW_LINE_RE`'s forms (a rank prefix, a timestamp, a frame) nor with a first word
-    that starts lines elsewhere in the text. Lines of one length that happen to be the longest (fixed-format metric
+    ``=====`` are no cuts) and are each followed by a continuation: a line that does not start like a line of its own
+    -- neither in :data:`_NEW_LINE_RE`'s forms (a rank prefix, a timestamp, a frame) nor with a first word that starts
+    lines elsewhere in the text (a line that follows no line of the width). Lines of one length that happen to be the longest (fixed-format metric
     lines, a message repeated, progress bars) are not wraps: their next line starts the way other lines start."""
     lines = text[:WRAP_SAMPLE].split("\n")
     if len(lines) < 2:
@@ -138,7 +138,7 @@ def wrap_width(text: str) -> int | None:
     cuts = 0
     for i in sorted(after_full):
         ln, nxt = lines[i - 1], lines[i]
-        if _cut(ln) and nxt and len(nxt) < width and not _NEW_LINE_RE.match(nxt) and not starts[_first_word(nxt)]:
+        if _cut(ln) and nxt and not _NEW_LINE_RE.match(nxt) and not starts[_first_word(nxt)]:
             cuts += 1
             if cuts >= WRAP_MIN_LINES:
                 return width

@@ -34,7 +34,11 @@ DS_DEFAULT_MIN_SCALE = 1.0      # DeepSpeed's fp16 "min_loss_scale" default (Meg
 DS_DEFAULT_INIT_SCALE = 2.0**16  # DeepSpeed's default "initial_scale_power" 16 (the fused optimizer starts at 2**32)
 STARTUP_STEPS = 100             # a fall that starts within the first this many steps ...
 STARTUP_FRACTION = 0.01         # ... (or the first 1% of the planned steps) can be the start-up search
-STARTUP_MIN_HALVINGS = 10       # ... if it ends at least this many halvings above the minimum
+# ... if it ends at least this many halvings above the minimum: a scale S keeps gradients of magnitude g in fp16
+# while g * S < 65504, so a healthy run settles where its largest gradients allow -- 2**8 for gradients of a few
+# hundred (a large model's first steps, before clipping), 2**16 for gradients near 1. A search that stops at or above
+# 2**8 is such a level; below it the gradients are too large for fp16 at any useful scale.
+STARTUP_MIN_HALVINGS = 8
 LOW_HALVINGS = 2                # one more halving at this distance from the minimum is already a warning
 STARTUP_MANY_SKIPS = 5          # a start-up search this long is worth a lower initial_scale_power
 LOCATE_FIX = ("find the first layer that overflows: wrap the model in torchdoctor.NumericsMonitor(model, "
