@@ -124,8 +124,9 @@ def wrap_width(text: str) -> int | None:
     (:func:`_cut`: tqdm pads its lines with spaces to the width, rules drawn with one character such as torchrun's
     ``=====`` are no cuts) and are each followed by a continuation: a line that does not start like a line of its own
     -- neither in :data:`_NEW_LINE_RE`'s forms (a rank prefix, a timestamp, a frame) nor with a first word that starts
-    lines elsewhere in the text (a line that follows no line of the width). Lines of one length that happen to be the longest (fixed-format metric
-    lines, a message repeated, progress bars) are not wraps: their next line starts the way other lines start."""
+    lines elsewhere in the text (a line that follows no line of the width). Lines of one length that happen to be the
+    longest (fixed-format metric lines, a message repeated, progress bars) are not wraps: their next line starts the
+    way other lines start."""
     lines = text[:WRAP_SAMPLE].split("\n")
     if len(lines) < 2:
         return None
