@@ -41,8 +41,10 @@ PREFIX_RE = re.compile(
     r"|\[(?P<lv1>" + _LEVEL + r")\|(?P<ts1>[^\]|]*)\][ ]\S+?:\d+[ ]>>[ ]"     # transformers-style / LlamaFactory
     r"|\[(?P<ts2>" + _STAMP + r")\][ ]\[(?P<lv2>" + _LEVEL + r")\][ ]\[[\w./-]+:\d+:\w+\][ ]"  # DeepSpeed logger
     r"|\[NeMo[ ](?P<lv3>[IWEDC])[ ](?P<ts3>" + _DATE + r"[ ]" + _CLOCK + r")[^\]]*\][ ]"     # NeMo
-    r"|\[(?P<lv4>[IWEF])(?:\d{4}[ ](?P<ts4>" + _CLOCK + r"))?[ ][^\]\s]*\d*[ ]?[\w./-]+:\d+\][ ]?"  # c10 [E424 t f:1]
-    r"|(?P<lv5>[IWEF])\d{4}[ ](?P<ts5>" + _CLOCK + r")[ ]+\d+[ ][\w./-]+:\d+\][ ]"  # glog I1204 12:00:00.1 2815 f.cc:3]
+    # c10's [E424 01:11:21.16 ProcessGroupNCCL.cpp:629] / [W socket.cpp:663] (month*100+day: 3 or 4 digits)
+    r"|\[(?P<lv4>[IWEF])(?:\d{3,4}[ ](?P<ts4>" + _CLOCK + r"))?[ ]+(?:\d+[ ]+)?[\w./-]+:\d+\][ ]?"
+    # glog: I1204 12:00:00.1 2815 f.cc:3]
+    r"|(?P<lv5>[IWEF])\d{3,4}[ ](?P<ts5>" + _CLOCK + r")[ ]+\d+[ ][\w./-]+:\d+\][ ]"
     r"|(?P<ts6>\[?" + _STAMP + r"\]?)(?:[ ]?[|:-])?[ ]+"                      # a timestamp, bare or in brackets
     r"|\[(?P<ts7>" + _CLOCK + r")\][ ]"                                       # [12:00:01]
     r"|\|?[ ]?(?P<lv6>" + _LEVEL + r")[ ]*\|[ ](?:[\w.<>-]+:[\w.<>-]+:\d+[ ]-[ ])?"  # loguru
@@ -53,7 +55,8 @@ PREFIX_RE = re.compile(
     r"|>[ ]?(?=\S)"                                                           # a quoted paste
     r"|\[\d+\][ ](?=\S)"                                                      # [80746] line numbers
     r"|(?P<nccl>[\w.-]+):\d+:\d+[ ]\[\d+\][ ]"                                  # NCCL's host:pid:tid [dev]
-    r"|(?P<host>[a-z][a-z0-9]*(?:-[a-z0-9]+)+|[a-z]+\d+)(?=:[ ](?:\[|\S+[ ]*:|Traceback|[A-Z]))"  # pdsh host
+    # pdsh's host (a name with a digit: worker-1, node12), not a metric's name before its value (val-loss: NaN)
+    r"|(?P<host>[a-z][a-z0-9-]*\d[a-z0-9-]*)(?=:[ ](?!(?i:nan|inf|-inf|none)\b)(?:\[|\S+[ ]*:|Traceback|[A-Z]))"
     r"(?::[ ])?"
 )
 _RANK_GROUPS = ("r1", "r2", "r3", "r4")
@@ -113,21 +116,25 @@ WRAP_MIN_WIDTH = 40     # narrower "widths" are not a terminal's
 WRAP_MIN_LINES = 2      # lines of exactly the width, not ending in a space, before the chunk counts as wrapped
 #: a line that starts this way is a line of its own, never the rest of the one before
 _NEW_LINE_RE = re.compile(
-    r"\[(?:rank|default)\d+\]:|\[rank: ?\d+\]|\d{1,5}: |\[\d+,\d+\]<std|[IWEF]\d{4} \d\d:|\[?\d{4}-\d\d-\d\d[ T]"
-    r"|Traceback \(|\s+File \"|\[(?:INFO|WARNING|ERROR|DEBUG)[\]|]|\{'|\{\"")
+    r"\[(?:rank|default)\d+\]:|\[rank: ?\d+\]|\d{1,5}: |\[\d+,\d+\]<std|\[?[IWEF]\d{3,4} \d\d:|\[?\d{4}-\d\d-\d\d[ T]"
+    r"|Traceback \(|\s+File \"|\[(?:INFO|WARNING|ERROR|DEBUG)[\]|]|\{'|\{\"|\s*\d+%\|"
+    r"|Killed\s*$|Segmentation fault|Aborted|[\w.]+(?:Error|Exception|Warning):")
 
 
 def wrap_width(text: str) -> int | None:
     """The width a terminal cut this text's lines at, or None.
 
-    The width is the longest line length, when at least ``WRAP_MIN_LINES`` lines of exactly that length look cut
-    (:func:`_cut`: tqdm pads its lines with spaces to the width, rules drawn with one character such as torchrun's
-    ``=====`` are no cuts) and are each followed by a continuation: a line that does not start like a line of its own
-    -- neither in :data:`_NEW_LINE_RE`'s forms (a rank prefix, a timestamp, a frame) nor with a first word that starts
-    lines elsewhere in the text (a line that follows no line of the width). Lines of one length that happen to be the
-    longest (fixed-format metric lines, a message repeated, progress bars) are not wraps: their next line starts the
-    way other lines start."""
-    lines = text[:WRAP_SAMPLE].split("\n")
+    The width is the longest line length (a CRLF's ``\\r`` not counted), when at least ``WRAP_MIN_LINES`` lines of
+    exactly that length look cut (:func:`_cut`: tqdm pads its lines with spaces to the width, rules drawn with one
+    character such as torchrun's ``=====`` are no cuts, a line whose brackets close at its end is whole) and are
+    each followed by a continuation: a line that does not start like a line of its own -- neither in
+    :data:`_NEW_LINE_RE`'s forms (a rank prefix, a timestamp, a frame, a progress bar) nor with a first word that
+    starts lines elsewhere in the text (a line that follows no line of the width). And the cuts must look like cuts:
+    continuations that begin with different words, or one cut inside a sentence (``sc|ale``, ``NC|CL``, ``10.1.|0.7``,
+    ``failed| : refused``).
+    Lines of one length that alternate with lines of another kind (fixed-format metric lines, then "Saving
+    checkpoint") are not wraps: each is followed by the same whole word."""
+    lines = [ln[:-1] if ln.endswith("\r") else ln for ln in text[:WRAP_SAMPLE].split("\n")]
     if len(lines) < 2:
         return None
     counts = Counter(map(len, lines))
@@ -136,14 +143,28 @@ def wrap_width(text: str) -> int | None:
         return None
     after_full = {i + 1 for i, ln in enumerate(lines[:-1]) if len(ln) == width}
     starts = Counter(_first_word(ln) for i, ln in enumerate(lines) if i not in after_full)
+    firsts: set[str] = set()
+    inside_word = False
     cuts = 0
     for i in sorted(after_full):
         ln, nxt = lines[i - 1], lines[i]
         if _cut(ln) and nxt and not _NEW_LINE_RE.match(nxt) and not starts[_first_word(nxt)]:
             cuts += 1
-            if cuts >= WRAP_MIN_LINES:
-                return width
-    return None
+            firsts.add(_first_word(nxt))
+            inside_word = inside_word or _mid_sentence(ln, nxt)
+    return width if cuts >= WRAP_MIN_LINES and (len(firsts) > 1 or inside_word) else None
+
+
+def _mid_sentence(line: str, nxt: str) -> bool:
+    """Whether the break between ``line`` and ``nxt`` falls inside a sentence: inside a word, number or address (no
+    space on either side, and not a capital after a lower-case letter, digit or mark: ``...123.4s`` | ``Saving`` is
+    a new sentence), or on a space with the sentence going on (`` : refused``, ``reducing `` | ``to 2048``)."""
+    a, b = line[-1], nxt[0]
+    if not (a.isspace() or b.isspace()):
+        return not (b.isupper() and not a.isupper())
+    if b == " ":
+        return len(nxt) > 1 and nxt[1] in ":,;.)]}=-"
+    return a == " " and b.islower()
 
 
 def _first_word(line: str) -> str:
@@ -153,9 +174,11 @@ def _first_word(line: str) -> str:
 
 def _cut(line: str) -> bool:
     """A line a terminal may have cut: not padded with spaces (tqdm pads to the width; a cut may fall on one space),
-    not one character repeated (a rule of ``=====``), no carriage return."""
-    return not line.endswith(("  ", "\t")) and line.rstrip() and line.count(line[-1]) < len(line) - 1 \
-        and "\r" not in line
+    not one character repeated (a rule of ``=====``), no carriage return inside, and not a line whose brackets all
+    close at its end (``{'loss': 2.3, 'epoch': 0.1}``: whole)."""
+    if line.endswith(("  ", "\t")) or not line.rstrip() or line.count(line[-1]) >= len(line) - 1 or "\r" in line:
+        return False
+    return not (line[-1] in ")]}" and all(line.count(o) == line.count(c) for o, c in ("()", "[]", "{}")))
 
 
 def dewrap(text: str, width: int | None = None) -> tuple[str, list[int]]:
@@ -174,10 +197,11 @@ def dewrap(text: str, width: int | None = None) -> tuple[str, list[int]]:
     pos = 0
     cur = parts[0]
     for nxt in parts[1:]:
-        if len(cur) % width == 0 and cur and _cut(cur[-width:]) and nxt and not _NEW_LINE_RE.match(nxt) \
-                and len(cur) // width < 64:
-            joins.append(pos + len(cur))
-            cur += nxt
+        body = cur[:-1] if cur.endswith("\r") else cur  # a CRLF paste: the \r is not part of the width
+        if len(body) % width == 0 and body and _cut(body[-width:]) and nxt and not _NEW_LINE_RE.match(nxt) \
+                and len(body) // width < 64:
+            joins.append(pos + len(body))
+            cur = body + nxt
             continue
         out.append(cur)
         pos += len(cur) + 1

@@ -92,10 +92,13 @@ FINITE_LOSS_RE = re.compile(
     r"(?P<key>\w*[lL]oss)" + _LOSS_SEP + r"(?:tensor\()?(?P<v>[-+]?(?:\d|\.\d)[\d.]*(?:[eE][-+]?\d+)?)")
 #: Plain substrings searched with str.find (their first characters are too common for SCAN_RE): each is a pass over
 #: the text (~0.3 ms per MB), so they are few and wide. "_scale" finds DeepSpeed's config print (min_loss_scale,
-#: 'min_scale', initial_scale_power, 'init_scale') and its update_scale traceback frame; "rror" every error and
-#: Error line (CUDA's and the compilers' words, exception lines, "[error]"), which the message tables' lower-case
-#: sentences stand on; zsh's "segmentation fault"; C++'s "terminate called after".
-NEEDLES = ("_scale", "| loss scale: ", "rror", "segmentation fault", "terminate called after")
+#: 'min_scale', initial_scale_power, 'init_scale') and its update_scale traceback frame; zsh's "segmentation fault";
+#: C++'s "terminate called after". ERROR_SCAN_RE finds the lower-case error lines (gcc's and nvcc's "error:",
+#: "[error]", "cuda runtime error (N)", DeepSpeed's "kernel execution error.", "nvcc error :") -- "Error" and "ERROR"
+#: are anchors of SCAN_RE --, never a metric's "val error 0.05".
+NEEDLES = ("_scale", "| loss scale: ", "segmentation fault", "terminate called after", "died due to signal")
+#: The lower-case error forms, searched with one regex (its literal prefix "error" makes it one fast pass).
+ERROR_SCAN_RE = re.compile(r"error(?:[:\].]| ?\(| +:)")
 #: A traceback's frames and its last line (``ValueError: bad``, ``torch.AcceleratorError: CUDA error: ...``,
 #: ``KeyboardInterrupt``): searched with str.find only while a traceback is open, from where one starts (each
 #: needle is a pass over the buffer: ~25 ms per 40 MB, so none is searched where no traceback can be).
@@ -256,17 +259,20 @@ DEVICE_ASSERT_RE = re.compile(r"Assertion `(?P<cond>[^`]*)` failed")
 #: An error line no rule knows, at the end of a failed run: a FATAL, a C++ ``terminate called``, an abort, or an
 #: ``ERROR``/``Error``/``error`` label (``error: ...``, ``[ERROR]``, ``| ERROR |``, ``ERROR -``), not the word in prose
 #: (``error rate``, ``errors: 0``, ``no error``).
-ERROR_LINE_RE = re.compile(r"\bFATAL\b|\bFatal error\b|\bterminate called\b|^\s*Aborted\b|\bCheck failed\b"
-                           r"|(?:^|[\s\[|:])(?:ERROR|Error|error)(?::|\]|\s+\||\s+-\s)")
+#: A metric named "error" (``Top-1 error: 12.3%``, ``val error: 0.05``, ``Test Error: `` before the accuracy) is no
+#: error: a label followed by a number or by nothing is skipped; ``FATAL`` counts as a label, not in prose.
+ERROR_LINE_RE = re.compile(r"(?:^|[\[|(])\s*FATAL\b|\bFATAL(?::|\])|\bFatal error\b|\bterminate called\b|^\s*Aborted\b"
+                           r"|\bCheck failed\b"
+                           r"|(?:^|[\s\[|:])(?:ERROR|Error|error)(?::|\]|\s+\||\s+-\s)(?!\s*(?:[-+]?\.?\d|$))")
 #: Words one of which an error line no rule knows holds (ERROR_LINE_RE, an exception type of ERROR_TYPE_ENDINGS):
 #: a cheap test before the regexes.
-ERROR_WORDS = ("rror", "FATAL", "Fatal", "terminate called", "Aborted", "Check failed", "Exception", "Failure",
+ERROR_WORDS = ("rror", "ERROR", "FATAL", "Fatal", "terminate called", "Aborted", "Check failed", "Exception", "Failure",
                "Fault", "Timeout", "Interrupt", "Exit")
 #: The exception types an exception line must end in to report an error (``UserWarning: ...`` does not).
 ERROR_TYPE_ENDINGS = ("Error", "Exception", "Failure", "Fault", "Timeout", "Interrupt", "Exit")
 #: What launchers print after a worker failed, skipped when looking for the worker's last words: torch elastic's
 #: glog lines (``E1204 12:00:00.123 2815 torch/.../api.py:1002] failed (exitcode: 1) ...``) and rules of = or -.
-LAUNCHER_TRAILER_RE = re.compile(r"^[EWI]\d{4} \d\d:\d\d:\d\d(?:\.\d+)? +\d+ \S+:\d+\] |^\s*[=\-]{10,}\s*$")
+LAUNCHER_TRAILER_RE = re.compile(r"^[EWI]\d{3,4} \d\d:\d\d:\d\d(?:\.\d+)? +\d+ \S+:\d+\] |^\s*[=\-]{10,}\s*$")
 
 # DeepSpeed config
 DS_BF16_FP16_RE = re.compile(r"bfloat16 and fp16 modes cannot be simultaneously enabled")

@@ -14,7 +14,7 @@ import codecs
 import re
 from bisect import bisect_right
 from collections import deque
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 from . import nonfinite, scalers
@@ -46,6 +46,19 @@ VOCABULARY = vocabulary(*P.SCAN_ANCHORS, *P.NEEDLES, *(rx.pattern for _, rx, _ i
                         *(m.rx.pattern for m in scalers.MESSAGES), *(m.rx.pattern for m in nonfinite.MESSAGES),
                         *(a for f in FAMILIES for a in f.ANCHORS),
                         *(rx.pattern for f in FAMILIES for _, rx, _ in f.RULES))
+@lru_cache(maxsize=4)
+def _key_index(keys: tuple[str, ...]) -> tuple[re.Pattern[str], dict[str, tuple[str, ...]], dict[str, tuple[int, ...]]]:
+    """For a rule table's keys: one regex that finds them (longest first), the keys inside each key (found along with
+    it), and each key's rule positions."""
+    unique = sorted(set(keys), key=lambda k: (-len(k), k))
+    rx = re.compile("(?=(" + P.by_first_char(tuple(unique)) + "))")  # at every position: keys may overlap
+    contained = {k: tuple(o for o in unique if o != k and o in k) for k in unique}
+    index: dict[str, list[int]] = {}
+    for i, k in enumerate(keys):
+        index.setdefault(k, []).append(i)
+    return rx, contained, {k: tuple(v) for k, v in index.items()}
+
+
 SNIFF_BYTES = 4096   # bytes read before the encoding is chosen
 _UNDECIDED = object()  # the wrap width before the stream's first WRAP_SAMPLE characters are in
 TAIL_CHARS = 4096    # characters of the end of the output kept for last_lines()
@@ -116,6 +129,7 @@ class Scanner:
             for m in nonfinite.MESSAGES] + [
             (key, rx, name, getattr(f, name)) for f in self._families for key, rx, name in f.RULES]
         self._joins = {name: head for f in self._families for name, head in f.JOINS.items()}
+        self._keys_re, self._contained, self._rule_index = _key_index(tuple(r[0] for r in self._rule_table))
         self._phys = ""            # the candidate line being handled, as the file has it ...
         self._line = Logical("")   # ... and as its program printed it (lines.strip_prefixes)
         # progress
@@ -273,6 +287,7 @@ class Scanner:
             self._finish_pending(buf, end)
         pos = [m.start() for m in SCAN_RE.finditer(buf, 0, end)]
         pos += [m.start() for m in P.EXIT_SCAN_RE.finditer(buf, 0, end)]
+        pos += [m.start() for m in P.ERROR_SCAN_RE.finditer(buf, 0, end)]
         pos += [m.start() for m in P.LOSS_SCAN_RE.finditer(buf, 0, end)]
         pos += [m.start() for m in P.NORM_SCAN_RE.finditer(buf, 0, end)]
         for needle in NEEDLES:
@@ -563,12 +578,22 @@ class Scanner:
         return fixed
 
     def _rules(self, text: str, lineno: int) -> tuple[bool, bool]:
-        """Run the rules whose key is in ``text``: whether one fired, and whether a key was there at all."""
+        """Run the rules whose key is in ``text``, in the table's order: whether one fired, and whether a specific key
+        (five characters or more: not "oss" or "nccl") was there -- a line worth putting split words together for.
+
+        The keys present are found by one C-speed search (``_keys_re``, at every position, the longest key there; a
+        key inside it is present too), so a line pays for the rules it may match, not for the whole table."""
+        present = self._keys_re.findall(text)
+        if not present:
+            return False, False
+        keys = set(present)
+        for k in present:
+            keys.update(self._contained[k])
         fired: set[str] = set()
-        keyed = False
-        for key, rx, name, handler in self._rule_table:
-            if key in text and name not in fired:
-                keyed = True
+        keyed = any(len(k) >= 5 for k in keys)
+        for i in sorted({i for k in keys for i in self._rule_index[k]}):
+            key, rx, name, handler = self._rule_table[i]
+            if name not in fired:
                 m = rx.search(text)
                 if m is None and name not in self._joins:
                     continue
@@ -623,6 +648,10 @@ class Scanner:
     def host_of(self, text: str) -> str | None:
         """The host a line's prefix names (pdsh's ``worker-1:``, NCCL's ``node1:123:456 [0]``)."""
         return self._line.host if text is self._line.text else strip_prefixes(text).host
+
+    def level_of(self, text: str) -> str | None:
+        """The log level a line's prefix gives (glog's W/E/F, a logger's WARNING/ERROR)."""
+        return self._line.level if text is self._line.text else strip_prefixes(text).level
 
     def following(self, n: int) -> list[str] | None:
         return self._following(n)

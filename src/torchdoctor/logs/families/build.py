@@ -70,8 +70,7 @@ EXT_BUILD_RE = re.compile(r"Error building extension '([\w.-]+)'")
 JIT_LOAD_RE = re.compile(r"Unable to JIT load the (\w+) op due to (it not being compatible|ninja not being installed)")
 COMPILE_ERROR_RE = re.compile(r"^\s*(\S+?(?::\d+){1,2}|\S+\(\d+\)): (?:fatal )?error: (.*)")
 # an extension built for another torch
-UNDEFINED_SYMBOL_RE = re.compile(r"(?P<lib>[^\s:'\"]*?(?P<name>[\w.-]+)\.(?:so|pyd)[\w.]*): undefined symbol: "
-                                 r"(?P<sym>\S+)")
+UNDEFINED_SYMBOL_RE = re.compile(r": undefined symbol: (?P<sym>\S+)")  # the library is the word before it
 MISSING_OP_RE = re.compile(r"operator (?P<op>\w+)::(?P<fn>\w+) does not exist")
 DS_OPS_MISMATCH_RE = re.compile(r"(?P<what>PyTorch|CUDA) version mismatch! DeepSpeed ops were compiled and installed "
                                 r"with a different version")
@@ -220,8 +219,10 @@ class Build(Family):
                   detail=detail, **d)
 
     def on_undefined_symbol(self, m: re.Match, text: str, lineno: int) -> None:
-        lib, sym = m["lib"], m["sym"]
-        self._extension(lineno, text, _package_of(lib), f"{m['name']} needs {sym}", library=lib, symbol=sym,
+        before = text[:m.start()].split()
+        lib, sym = (before[-1].strip("'\"") if before else "?"), m["sym"]
+        name = lib.replace("\\", "/").rsplit("/", 1)[-1].split(".")[0] or "an extension"
+        self._extension(lineno, text, _package_of(lib), f"{name} needs {sym}", library=lib, symbol=sym,
                         demangled=_demangle_hint(sym))
 
     def on_missing_op(self, m: re.Match, text: str, lineno: int) -> None:

@@ -65,12 +65,11 @@ NCCL_ERROR_RE = re.compile(
     r"NCCL error(?: in: (?P<where>\S+?))?[,:] (?P<reason>.*?)(?:, NCCL version (?P<ver>[\w.+-]+))?\s*$")
 NCCL_CODE_RE = re.compile(
     r"nccl(?P<code>InternalError|SystemError|UnhandledCudaError|RemoteError|InvalidUsage|InvalidArgument)"
-    r"(?::\s*(?P<detail>.*))?")
+    r":\s*(?P<detail>.*)")
 NCCL_ABORTED_RE = re.compile(r"NCCL communicator was aborted on rank (\d+)")
 NCCL_WARN_RE = re.compile(r"NCCL WARN (.*)")
 # network: NCCL's sockets and InfiniBand, gloo's pairs
-CONNECT_FAILED_RE = re.compile(
-    r"[Cc]onnect to (?P<peer>\S+?)(?: failed ?: ?| returned )(?P<err>[^,]+?)(?:, retrying|, exceeded .*)?\s*$")
+CONNECT_FAILED_RE = re.compile(r"[Cc]onnect to (?P<peer>\S+?)(?: failed ?: ?| returned )(?P<err>[^,]*)")
 CONNECT_RETURNED_RE = re.compile(r"Call to connect returned (?P<err>[^,]+)")
 CLOSED_BY_PEER_RE = re.compile(r"Connection closed by (?:remote )?peer (?P<peer>\S+)")
 CALL_FAILED_RE = re.compile(
@@ -81,8 +80,9 @@ IB_COMPLETION_RE = re.compile(
     r"(?:\((?P<code>\d+)\))?)")
 NO_INTERFACE_RE = re.compile(r"(?:Bootstrap|NET/Socket) : (?:no socket interface found|No usable listening interface"
                              r" found|no interface found)")
-GLOO_READ_RE = re.compile(r"(?P<what>Read error|Connect timeout) (?P<peer>\[[^\]]*\]:\d+|\S+?)(?::\s*(?P<err>.*))?$")
-GLOO_TIMEOUT_RE = re.compile(r"Timed out waiting (?P<ms>\d+)ms for (?P<op>recv|send) operation to complete")
+GLOO_READ_RE = re.compile(r"(?P<what>Read error|Connect timeout) (?P<peer>\[[^\]]*\]:\d+|[\w.-]+:\d+)"
+                          r"(?::\s*(?P<err>.*))?")
+GLOO_TIMEOUT_RE = re.compile(r"Timed out waiting (?P<ms>\d+)ms for (?P<op>recv|send) operation to complete(?!, retry)")
 # the store and rendezvous
 CLIENT_TIMEOUT_RE = re.compile(r"The client socket has timed out after (?P<t>\S+) while trying to connect to "
                                r"\((?P<host>[^,]+), (?P<port>\d+)\)")
@@ -114,6 +114,10 @@ IB_STATUS = {"12": "IBV_WC_RETRY_EXC_ERR: the transport retried and gave up -- a
              "4": "IBV_WC_LOC_PROT_ERR: a local protection error (memory registration)",
              "10": "IBV_WC_REM_ACCESS_ERR: remote access error"}
 
+CONNECT_FIX = ("NCCL picked an interface or address the peer cannot reach: set NCCL_SOCKET_IFNAME to the interface "
+               "that links the nodes (`ip -br addr` on each node; e.g. NCCL_SOCKET_IFNAME=eth0, or ^docker0,lo to "
+               "exclude), and open the ports between the nodes (firewall, security group); NCCL_DEBUG=INFO "
+               "NCCL_DEBUG_SUBSYS=INIT,NET shows the addresses it tries")
 COMM_FIX = ("torchdoctor comm (under torchrun/srun, or --local N) checks that every rank can reach every other and "
             "names the one that cannot; --bench measures the bandwidth")
 
@@ -192,6 +196,7 @@ class Comm(Family):
         self.warn_n = 0
         self.network: list[dict] = []
         self.network_n = 0
+        self.retries: list[dict] = []  # connects NCCL retried (INFO lines): a failure only when a warning follows
         self._network_keys: set = set()
         self.gloo_timeouts: list[dict] = []
         self.store: list[dict] = []
@@ -275,6 +280,10 @@ class Comm(Family):
 
     # ------------------------------------------------------------------------------------------ network
     def _network(self, lineno: int, text: str, kind: str, peer: str | None, detail: str | None, **extra: Any) -> None:
+        if "NCCL INFO" in text or "retrying" in text:  # NCCL's INFO chatter, a retry it announces: not yet a failure
+            add(self.retries, {"line": lineno, "kind": kind, "peer": peer, "detail": detail,
+                               "text": self.log.quote(text)}, 4)
+            return
         self.network_n += 1
         if seen(self._network_keys, (kind, peer, detail)):
             return
@@ -286,7 +295,7 @@ class Comm(Family):
 
     def on_connect(self, m: re.Match, text: str, lineno: int) -> None:
         peer = m["peer"] if "peer" in m.re.groupindex else None
-        self._network(lineno, text, "connect", peer, (m["err"] or "").strip() or None)
+        self._network(lineno, text, "connect", peer, (m["err"] or "").strip()[:160] or None)
 
     def on_closed(self, m: re.Match, text: str, lineno: int) -> None:
         self._network(lineno, text, "closed", m["peer"], "connection closed by the peer")
@@ -323,11 +332,15 @@ class Comm(Family):
 
     # ------------------------------------------------------------------------------------- store, rendezvous
     def _store(self, lineno: int, text: str, kind: str, addr: str | None, detail: str | None, **extra: Any) -> None:
-        if seen(self._store_keys, (kind, addr)):
+        # c10's [W socket.cpp] lines: a connect it retries (an IPv6 address, a rank 0 not up yet), not a failure --
+        # except a port in use, which every address it tries then fails with
+        warning = self.log.level_of(text) == "WARNING" and kind != "port-in-use"
+        if seen(self._store_keys, (kind, addr, warning)):
             return
         self.log.event(lineno, "comm-rendezvous", text)
         add(self.store, {"line": lineno, "step": self.log.step, "kind": kind, "addr": addr, "detail": detail,
-                         "rank": self.log.rank_of(text), "text": self.log.quote(text), **extra}, 16)
+                         "rank": self.log.rank_of(text), "text": self.log.quote(text), "warning": warning,
+                         **extra}, 16)
 
     def on_client_timeout(self, m: re.Match, text: str, lineno: int) -> None:
         self._store(lineno, text, "connect-timeout", f"{m['host']}:{m['port']}", f"timed out after {m['t']}")
@@ -469,6 +482,20 @@ class Comm(Family):
              "limit"], {"count": len(self.gloo_timeouts), "timeouts": list(self.gloo_timeouts), "backend": "gloo"})
 
     def _judge_network(self) -> list[Finding]:
+        if not self.network and self.retries:
+            last = self.retries[-1]["line"]
+            after = [w for w in self.warns if w["line"] > last]
+            ev = [f"line {r['line']}: {r['text']}" for r in self.retries[:3]]
+            if not after:
+                return [Finding("comm.network", "info", "NCCL retried connecting to a peer "
+                                f"({self.retries[0]['detail'] or 'connection failed'}); nothing here says it failed",
+                                ev, [], {"count": 0, "retries": list(self.retries)})]
+            ev += [f"line {w['line']}: {w['text']}" for w in after[:2]]
+            return [Finding("comm.network", "fail",
+                            f"a rank could not connect to its peer: NCCL retried "
+                            f"({self.retries[0]['detail'] or 'connection failed'}) and then warned",
+                            ev, [COMM_FIX, CONNECT_FIX], {"count": len(self.retries), "retries": list(self.retries),
+                                                          "warnings": after})]
         if not self.network:
             return []
         net = self.network
@@ -491,10 +518,7 @@ class Comm(Family):
         ev += [f"line {e['line']}: {e['text']}" for e in self.errors[:2]]
         fix = [COMM_FIX]
         if "connect" in kinds or "no-interface" in kinds:
-            fix.append("NCCL picked an interface or address the peer cannot reach: set NCCL_SOCKET_IFNAME to the "
-                       "interface that links the nodes (`ip -br addr` on each node; e.g. NCCL_SOCKET_IFNAME=eth0, or "
-                       "^docker0,lo to exclude), and open the ports between the nodes (firewall, security group); "
-                       "NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET shows the addresses it tries")
+            fix.append(CONNECT_FIX)
         if "closed" in kinds or "socket" in kinds:
             fix.append("a connection closed or reset by the peer means the process at the other end died or its "
                        "node dropped off the network: the first error of that rank (an OOM kill, a CUDA error, a "
@@ -511,7 +535,14 @@ class Comm(Family):
             return []
         order = ("port-in-use", "barrier-timeout", "connect-timeout", "connect-failed", "rdzv-timeout",
                  "rdzv-connect", "rdzv-closed", "wait-timeout", "listen-failed", "store-closed")
-        main = min(self.store, key=lambda s: order.index(s["kind"]))
+        errors = [s for s in self.store if not s["warning"]]
+        if not errors:  # only c10's warnings: connects it retried (torchrun's IPv6 localhost, a slow rank 0)
+            w = self.store[0]
+            return [Finding("comm.rendezvous", "info",
+                            f"c10d warned while connecting to the store ({w['detail'] or w['kind']}); it retries, and "
+                            "nothing here says it failed", [f"line {s['line']}: {s['text']}" for s in self.store[:2]],
+                            [], {"kind": w["kind"], "events": list(self.store)})]
+        main = min(errors, key=lambda s: order.index(s["kind"]))
         kind, addr = main["kind"], main["addr"]
         titles = {
             "port-in-use": f"the rendezvous port{' ' + addr if addr else ''} is already in use",

@@ -121,12 +121,14 @@ class GpuSupport(Family):
     def judge(self) -> list[Finding]:
         if not self.events:
             return []
-        e = self.events[0]
+        hard = [x for x in self.events if x["library"] != "bitsandbytes"]  # bitsandbytes warns and the run goes on
+        e = (hard or self.events)[0]
         ev = [f"line {x['line']}: {x['text']}" for x in self.events[:3]] + [f"why: {r}" for r in self._reasons[:3]]
         libs = list(dict.fromkeys(x["library"] for x in self.events))
         name = {"flash-attn": "FlashAttention", "xformers": "xFormers", "bitsandbytes": "bitsandbytes",
                 "torch": "this torch build", "transformers": "FlashAttention (transformers)"}[e["library"]]
-        return [Finding("cuda.unsupported-gpu", "fail", f"{name} does not support this GPU: {e['detail']}", ev,
+        return [Finding("cuda.unsupported-gpu", "fail" if hard else "warn",
+                        f"{name} does not support this GPU: {e['detail']}", ev,
                         [_FIX[lib] for lib in libs] + ["torchdoctor env shows the GPU's compute capability and what "
                                                        "torch was built for"],
                         {"libraries": libs, "events": list(self.events), "reasons": list(self._reasons)})]

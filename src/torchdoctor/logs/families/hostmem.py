@@ -25,7 +25,9 @@ from .base import Family
 CPU_ALLOC_RE = re.compile(r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory): you tried to allocate "
                           r"(?P<bytes>\d+) bytes")
 ENOMEM_RE = re.compile(r"\[Errno 12\] Cannot allocate memory|Error code 12 \(Cannot allocate memory\)"
-                       r"|std::bad_alloc|^(?:[\w.]+\.)?MemoryError\b")
+                       r"|std::bad_alloc|^(?:[\w.]+\.)?(?:_Array)?MemoryError\b")
+#: numpy (numpy/core/_exceptions.py ``_ArrayMemoryError``): "Unable to allocate 12.0 GiB for an array with shape ..."
+NUMPY_ALLOC_RE = re.compile(r"Unable to allocate (?P<size>[\d.]+ [KMGTP]?i?B) for an array with shape")
 _FORK_WORDS = ("fork", "Popen", "worker", "DataLoader", "_launch")
 
 
@@ -39,8 +41,9 @@ class HostMemory(Family):
         ("Cannot allocate memory", ENOMEM_RE, "on_enomem"),
         ("bad_alloc", ENOMEM_RE, "on_enomem"),
         ("MemoryError", ENOMEM_RE, "on_enomem"),
+        ("for an array with shape", NUMPY_ALLOC_RE, "on_numpy"),
     )
-    ANCHORS = ("DefaultCPUAllocator", "Cannot allocate memory", "MemoryError")
+    ANCHORS = ("DefaultCPUAllocator", "Cannot allocate memory", "MemoryError", "Unable to allocate")
     NEEDLES = ()  # std::bad_alloc comes in a "terminate called after" line (a needle of the analyzer)
     CAUSE_EVENTS = frozenset({"host-alloc-failed"})
 
@@ -63,8 +66,17 @@ class HostMemory(Family):
     def on_cpu_alloc(self, m: re.Match, text: str, lineno: int) -> None:
         self._add(lineno, text, "allocator", bytes=int(m["bytes"]))
 
+    def on_numpy(self, m: re.Match, text: str, lineno: int) -> None:
+        from ...units import SizeError, parse_bytes
+
+        try:
+            size = int(parse_bytes(m["size"].replace(" ", "")))
+        except SizeError:
+            size = 0
+        self._add(lineno, text, "allocator", bytes=size, by="numpy")
+
     def on_enomem(self, m: re.Match, text: str, lineno: int) -> None:
-        if "DefaultCPUAllocator" in text:
+        if "DefaultCPUAllocator" in text or NUMPY_ALLOC_RE.search(text):
             return  # on_cpu_alloc has it, with its size
         kind = "bad_alloc" if "bad_alloc" in m.group(0) else "MemoryError" if "MemoryError" in m.group(0) else "enomem"
         self._add(lineno, text, kind)
@@ -77,7 +89,8 @@ class HostMemory(Family):
         near = " ".join(e["text"] for e in self.events)
         fork = first["kind"] == "enomem" and any(w in near for w in _FORK_WORDS)
         if sized is not None:
-            title = f"host RAM ran out: torch's CPU allocator could not allocate {gib(sized['bytes'])}"
+            title = (f"host RAM ran out: {'numpy' if sized.get('by') == 'numpy' else 'torch'}'s CPU allocator could "
+                     f"not allocate {gib(sized['bytes'])}")
         elif fork:
             title = "host RAM ran out: starting a process (fork: DataLoader workers) failed with ENOMEM"
         else:
