@@ -524,3 +524,36 @@ def test_nccl_retries_are_a_failure_only_when_a_warning_follows():
                    "comm.network").severity == "fail"  # a warning cut mid-word still follows the retries
     assert finding(warned, "comm.network").severity == "fail"
     assert finding([retry, "{'loss': 2.3, 'epoch': 0.1}"], "comm.network").severity == "info"
+
+
+def test_the_store_barrier_says_who_joined():
+    wait = ("Waiting in store based barrier to initialize process group for rank: 0, key: store_based_barrier_key:1 "
+            "(world_size=4, worker_count={}, timeout=0:30:00)")
+    crowded = finding([wait.format(8)] * 3, "comm.rendezvous")
+    assert crowded.severity == "fail" and "more processes joined" in crowded.title
+    assert any("--master_port" in x for x in crowded.fix)
+    assert finding([wait.format(3)] * 3, "comm.rendezvous").severity == "warn"
+
+
+@pytest.mark.parametrize("line", ["| WARNING: overflow detected, setting loss scale to: {}",
+                                  "2020-03-23 11:41:18 | INFO | fairseq.trainer | NOTE: overflow detected, setting "
+                                  "loss scale to: {}",
+                                  "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: {}"])
+def test_fairseqs_three_wordings_are_one_scaler(line):
+    f = finding([line.format(2.0 ** -k) for k in range(4, 14)], "fp16.loss-scale-collapse")
+    # 2**-13 is one overflow above fairseq's --min-loss-scale 1e-4, where it raises: still falling, none left
+    assert f.severity == "warn" and "0 halvings left before the minimum (0.0001: fairseq's default)" in f.title
+
+
+def test_a_printed_loss_scale_is_a_trajectory():
+    lines = [f"DLL 2020-06-03 02:4{k}:00.000000 - PARAMETER loss_scale : {2.0 ** (16 - k)}" for k in range(10)]
+    f = finding(lines, "fp16.loss-scale-collapse")
+    assert f.severity == "warn" and f.data["falling"] is True
+    assert not severe(sev(['"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 16}']))
+
+
+def test_a_cuda_error_that_names_the_driver_is_the_driver():
+    line = ("Faiss assertion 'err__ == cudaSuccess' failed in int faiss::gpu::getNumDevices() at "
+            "gpu/utils/DeviceUtils.cu:32; details: CUDA error 35 CUDA driver version is insufficient for CUDA runtime "
+            "version")
+    assert finding([line, "Aborted (core dumped)"], "cuda.driver-too-old").severity == "fail"

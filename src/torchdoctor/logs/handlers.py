@@ -204,6 +204,12 @@ class Handlers(CrashHandlers):
             self._event(lineno, "scale-nonfinite", seg)
         self._scale.observe(scale, lineno, self._step, nf, "Megatron", self._quote(seg))
 
+    def _on_printed_scale(self, m: re.Match, seg: str, lineno: int) -> None:
+        if float(m["scale"]) <= 0 or any(k in seg for k in ("scale_window", "scale_power", "min_loss_scale")):
+            return  # a config print (DeepSpeed's "loss_scale": 0 means dynamic), not the scale in use
+        nf = bool(P.LOSS_RE.search(seg))
+        self._scale.observe(float(m["scale"]), lineno, self._step, nf, "printed", self._quote(seg))
+
     def _on_grad_scale(self, m: re.Match, seg: str, lineno: int) -> None:
         gs = P.GLOBAL_STEP_RE.search(seg)
         if gs:

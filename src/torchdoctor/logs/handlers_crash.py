@@ -267,8 +267,8 @@ class CrashHandlers:
         self._cuda("library-error", lineno, seg, status, status=status)
 
     def _on_cuda_driver(self, m: re.Match, seg: str, lineno: int) -> None:
-        if "CUDA error" in seg:
-            return  # the CUDA error rule records it
+        if P.CUDA_ERROR_RE.search(seg):
+            return  # the CUDA error rule records it (``CUDA error: CUDA driver version is insufficient ...``)
         self._cuda("driver-too-old", lineno, seg, m.group(0), found=m["found"])
 
     def _on_cuda_capability(self, m: re.Match, seg: str, lineno: int) -> None:

@@ -89,7 +89,7 @@ class Judges(ProcessJudge, CrashJudge, CudaJudge):
         return judge_fp16(self._scale, max_step=self._max_step, iterations=self._iterations, planned=self._planned,
                           ds_skipped=self._ds_skipped, loss_last_line=last["line"] if last else None,
                           loss_recovered=self._loss_recovered, loss_nf=self._loss_nf,
-                          deepspeed=self._scale.observed_source != "GradScaler")
+                          deepspeed=self._scale.observed_source not in ("GradScaler", "printed"))
 
     def _judge_grad(self) -> list[Finding]:
         n = self._scaleless_ovf + self._static_ovf + self._norm_nf

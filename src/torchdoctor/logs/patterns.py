@@ -145,6 +145,9 @@ MEGATRON_NORM_RE = re.compile(r"\| grad norm: (?P<val>[^|\s]+)")
 #: A custom trainer printing its GradScaler's scale (``Fp16 Grad Scale:  0``) and the step.
 GRAD_SCALE_RE = re.compile(rf"(?i:fp16 )?Grad Scale:[ \t]*(?P<scale>{NUM})")
 GLOBAL_STEP_RE = re.compile(r"Global Step:[ \t]*(\d+)")
+#: A scale a trainer prints with its metrics (fairseq's progress ``loss_scale=0.0078``, NVIDIA DeepLearningExamples'
+#: DLLogger ``PARAMETER loss_scale : 8192.0``, BEiT's meter): a series read like Megatron's, with no floor known
+PRINTED_SCALE_RE = re.compile(rf"\bloss_scale['\"]?[ \t]*[:=][ \t]*(?P<scale>{NUM})")
 
 # non-finite loss / grad norm (full check on the candidate line; the key of each rule is below)
 LOSS_RE = re.compile(r"(?P<key>\w*[lL]oss)" + _LOSS_SEP + "(?P<val>" + _NONFINITE + ")")
@@ -297,6 +300,7 @@ RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ("_scale", DS_SCALE_CONFIG_RE, "_on_scale_config"),
     ("| loss scale: ", MEGATRON_SCALE_RE, "_on_megatron_iteration"),
     ("Grad Scale:", GRAD_SCALE_RE, "_on_grad_scale"),
+    ("loss_scale", PRINTED_SCALE_RE, "_on_printed_scale"),
     ("oss", LOSS_RE, "_on_loss"),
     ("_norm", NORM_RE, "_on_norm"),
     ("CUDA out of memory", CUDA_OOM_RE, "_on_cuda_oom"),

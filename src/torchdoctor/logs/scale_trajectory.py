@@ -199,7 +199,8 @@ class ScaleTrajectory:
             self.first = self.max = self.min = self.last = scale
             self.first_line = line
         # torch's GradScaler has no floor (below 1 it is collapsed); DeepSpeed and Megatron stop at min_loss_scale
-        at_floor = scale < 1 if source == "GradScaler" else scale <= self.floor
+        # torch's GradScaler, and a scale a trainer only prints, have no floor known here: below 1 it is collapsed
+        at_floor = scale < 1 if source in ("GradScaler", "printed") else scale <= self.floor
         if at_floor and (nonfinite or scale == 0):
             self.observed_floor_nf_n += 1
             d = {"line": line, "step": step, "scale": scale, "text": text}

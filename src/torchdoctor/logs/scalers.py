@@ -18,7 +18,9 @@ Sources (the format strings, read at the commits named):
   (@cfb628ba2e46, the cut-down FP16_Optimizer copied into BERT-era trainers) "Grad overflow on iteration {n}" then
   "Using dynamic loss scale of {scale}": the scale that overflowed, then ``max(scale / 2, 1)``.
 - facebookresearch/fairseq@3d262bb25690: ``fairseq/trainer.py`` "NOTE: gradient overflow detected, ignoring
-  gradient, setting loss scale to: {scale}" (``optim/dynamic_loss_scaler.py``: init 2**7, floor ``--min-loss-scale``
+  gradient, setting loss scale to: {scale}" (0.9-0.10: "NOTE: overflow detected, " + the scaler's "setting loss scale
+  to: {scale}"; <= 0.6: "| WARNING: overflow detected, ..."; ``optim/dynamic_loss_scaler.py``: init 2**7, floor
+  ``--min-loss-scale``
   1e-4, "Minimum loss scale reached ({min}). Your loss is probably exploding. ..." raises FloatingPointError);
   ``optim/amp_optimizer.py`` "AMP: overflow detected, setting scale to to {scale}" and "AMP: Minimum loss scale
   reached ({min})".
@@ -68,8 +70,11 @@ MESSAGES: tuple[ScalerMessage, ...] = (
         r"Gradient overflow, skipping update"), "overflow", 2.0**16, None, False, _APEX_HINT),
     ScalerMessage("apex FP16_Optimizer", "Using dynamic loss scale of", re.compile(
         rf"Using dynamic loss scale of:? (?P<att>{NUM})"), "announce", 2.0**16, 1.0, False, _APEX_HINT),
-    ScalerMessage("fairseq", "gradient overflow detected", re.compile(
-        rf"gradient overflow detected, ignoring gradient, setting loss scale to:? (?P<new>{NUM})"),
+    # fairseq's trainer said it three ways over its versions: "| WARNING: overflow detected, setting loss scale to: X"
+    # (<= 0.6, print), "NOTE: overflow detected, setting loss scale to: X" (0.9-0.10, logger.info), "NOTE: gradient
+    # overflow detected, ignoring gradient, setting loss scale to: X" (current)
+    ScalerMessage("fairseq", "overflow detected, ", re.compile(
+        rf"(?:gradient )?overflow detected, (?:ignoring gradient, )?setting loss scale to:? (?P<new>{NUM})"),
         "overflow", 2.0**7, 1e-4, True, _FAIRSEQ_HINT),
     ScalerMessage("fairseq", "AMP: overflow detected", re.compile(
         rf"AMP: overflow detected, setting scale to(?: to)? (?P<new>{NUM})"), "overflow", 2.0**7, 1e-4, True,

@@ -94,6 +94,10 @@ ADDR_IN_USE_RE = re.compile(r"(?i:address already in use)|EADDRINUSE|port: (?P<p
 STORE_BARRIER_RE = re.compile(
     r"Timed out initializing process group in store based barrier on rank:? (?P<rank>\d+), for key: (?P<key>\S+) "
     r"\(world_size=(?P<ws>\d+), (?:worker_count|num_workers_joined)=(?P<joined>\d+)")
+#: distributed_c10d.py's _store_based_barrier while it waits (torch 1.9-2.x): who has joined so far
+STORE_WAITING_RE = re.compile(
+    r"Waiting in store based barrier to initialize process group for rank: (?P<rank>\d+), key: (?P<key>\S+) "
+    r"\(world_size=(?P<ws>\d+), (?:worker_count|num_workers_joined)=(?P<joined>\d+)")
 STORE_WAIT_RE = re.compile(r"(?:wait|barrier) timeout after (?P<ms>\d+)ms|Wait timeout for key|Timed out after (?P<s>"
                            r"\d+) seconds waiting for clients\. (?P<n>\d+)/(?P<N>\d+) clients joined"
                            r"|timed out waiting for all (?P<ws>\d+) members to join")
@@ -153,6 +157,7 @@ class Comm(Family):
         ("lready in use", ADDR_IN_USE_RE, "on_addr_in_use"),
         ("ADDRINUSE", ADDR_IN_USE_RE, "on_addr_in_use"),
         ("store based barrier", STORE_BARRIER_RE, "on_store_barrier"),
+        ("Waiting in store based barrier", STORE_WAITING_RE, "on_store_waiting"),
         ("timeout after", STORE_WAIT_RE, "on_store_wait"),
         ("Wait timeout for key", STORE_WAIT_RE, "on_store_wait"),
         ("waiting for clients", STORE_WAIT_RE, "on_store_wait"),
@@ -172,7 +177,8 @@ class Comm(Family):
                "Got completion", "Read error", "Connect timeout", "Timed out waiting", "The client socket",
                "The server socket", "EADDRINUSE", "Rendezvous", "The connection to ", "Duplicate GPU",
                "Failed to recv", "Failed to send", "Bootstrap :", "Connection reset by peer", "Broken pipe",
-               "Socket Timeout", "Address already in use", "Wait timeout", "Timed out initializing")
+               "Socket Timeout", "Address already in use", "Wait timeout", "Timed out initializing",
+               "Waiting in store based barrier")
     # lower-case sentences stand on the analyzer's wide needles: an exception line ("...Error: wait timeout after"),
     # an NCCL / c10 prefix (the "NCCL" and "ProcessGroupNCCL" anchors)
     NEEDLES = ()
@@ -362,6 +368,11 @@ class Comm(Family):
         self._store(lineno, text, "barrier-timeout", m["key"], f"{m['joined']} of {m['ws']} ranks joined",
                     world_size=int(m["ws"]), joined=int(m["joined"]))
 
+    def on_store_waiting(self, m: re.Match, text: str, lineno: int) -> None:
+        ws, joined = int(m["ws"]), int(m["joined"])
+        kind = "barrier-crowded" if joined > ws else "barrier-waiting"
+        self._store(lineno, text, kind, m["key"], f"{joined} of {ws} ranks joined", world_size=ws, joined=joined)
+
     def on_store_wait(self, m: re.Match, text: str, lineno: int) -> None:
         joined = f"{m['n']} of {m['N']} clients joined" if m["n"] else None
         self._store(lineno, text, "wait-timeout", None, joined or clip(m.group(0), 120))
@@ -533,8 +544,9 @@ class Comm(Family):
     def _judge_store(self) -> list[Finding]:
         if not self.store:
             return []
-        order = ("port-in-use", "barrier-timeout", "connect-timeout", "connect-failed", "rdzv-timeout",
-                 "rdzv-connect", "rdzv-closed", "wait-timeout", "listen-failed", "store-closed")
+        order = ("port-in-use", "barrier-crowded", "barrier-timeout", "connect-timeout", "connect-failed",
+                 "rdzv-timeout", "rdzv-connect", "rdzv-closed", "wait-timeout", "barrier-waiting", "listen-failed",
+                 "store-closed")
         errors = [s for s in self.store if not s["warning"]]
         if not errors:  # only c10's warnings: connects it retried (torchrun's IPv6 localhost, a slow rank 0)
             w = self.store[0]
@@ -547,6 +559,8 @@ class Comm(Family):
         titles = {
             "port-in-use": f"the rendezvous port{' ' + addr if addr else ''} is already in use",
             "barrier-timeout": f"not every rank reached init_process_group: {main['detail']}",
+            "barrier-crowded": f"more processes joined the store's barrier than the world size: {main['detail']}",
+            "barrier-waiting": f"init_process_group is waiting for ranks at the store's barrier: {main['detail']}",
             "connect-timeout": f"a rank could not reach the store at {addr} ({main['detail']})",
             "connect-failed": f"a rank could not connect to the store at {addr}"
                               + (f" ({main['detail']})" if main["detail"] else ""),
@@ -564,6 +578,12 @@ class Comm(Family):
             "barrier-timeout": "the missing ranks failed or hang before init_process_group (their own logs say why), "
                                "or the world size does not match the ranks started (--nnodes x --nproc_per_node, "
                                "WORLD_SIZE)",
+            "barrier-crowded": "two jobs share one store (the same MASTER_ADDR:MASTER_PORT: give each its own "
+                               "--master_port), or WORLD_SIZE is smaller than the processes started (a launcher run "
+                               "inside another: python -m torch.distributed.launch under torchrun, two nodes with "
+                               "the same --node_rank)",
+            "barrier-waiting": "the missing ranks failed or hang before init_process_group (their own logs say why), "
+                               "or the world size does not match the ranks started",
             "connect-timeout": "the store runs in rank 0's process (or torchrun's agent): MASTER_ADDR must be that "
                                "node's address as the other nodes see it, MASTER_PORT open between them, and rank 0 "
                                "must have started (nc -zv HOST PORT from this node)",
@@ -582,7 +602,7 @@ class Comm(Family):
         }
         ev = [f"line {s['line']}: {s['text']}" for s in self.store[:4]]
         fix = [fixes[kind], COMM_FIX]
-        return [Finding("comm.rendezvous", "fail", titles[kind], ev, fix,
+        return [Finding("comm.rendezvous", "warn" if kind == "barrier-waiting" else "fail", titles[kind], ev, fix,
                         {"kind": kind, "events": list(self.store)})]
 
     def _judge_usage(self) -> list[Finding]:
