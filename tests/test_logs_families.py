@@ -557,3 +557,22 @@ def test_a_cuda_error_that_names_the_driver_is_the_driver():
             "gpu/utils/DeviceUtils.cu:32; details: CUDA error 35 CUDA driver version is insufficient for CUDA runtime "
             "version")
     assert finding([line, "Aborted (core dumped)"], "cuda.driver-too-old").severity == "fail"
+
+
+def test_the_key_search_finds_every_key_the_naive_scan_finds():
+    """One regex search per line stands for ~170 `key in text` tests: it must miss none, overlapping keys included."""
+    import random
+
+    a = Analyzer()
+    keys = sorted({r[0] for r in a._rule_table})
+    rng = random.Random(20)
+    for _ in range(3000):
+        parts = [rng.choice(keys)[rng.randrange(3):] if rng.random() < 0.3 else rng.choice(keys)
+                 for _ in range(rng.randrange(1, 5))]
+        text = rng.choice(["", " ", "x"]).join(parts)
+        present = a._keys_re.findall(text)
+        found = set(present)
+        for k in present:
+            found.update(a._contained[k])
+            found.update(o for o in a._overlap[k] if o in text)
+        assert found == {k for k in keys if k in text}, text

@@ -47,16 +47,22 @@ VOCABULARY = vocabulary(*P.SCAN_ANCHORS, *P.NEEDLES, *(rx.pattern for _, rx, _ i
                         *(a for f in FAMILIES for a in f.ANCHORS),
                         *(rx.pattern for f in FAMILIES for _, rx, _ in f.RULES))
 @lru_cache(maxsize=4)
-def _key_index(keys: tuple[str, ...]) -> tuple[re.Pattern[str], dict[str, tuple[str, ...]], dict[str, tuple[int, ...]]]:
-    """For a rule table's keys: one regex that finds them (longest first), the keys inside each key (found along with
-    it), and each key's rule positions."""
+def _key_index(keys: tuple[str, ...]) -> tuple[re.Pattern[str], dict[str, tuple[str, ...]],
+                                               dict[str, tuple[str, ...]], dict[str, tuple[int, ...]]]:
+    """For a rule table's keys: one regex that finds them (longest first at a position, not overlapping), the keys
+    inside each key (present whenever it is), the keys that may overlap its end (a suffix of it begins them: tested
+    on their own), and each key's rule positions. Together exact: a key the search skips either lies inside a match
+    or runs past its end."""
     unique = sorted(set(keys), key=lambda k: (-len(k), k))
-    rx = re.compile("(?=(" + P.by_first_char(tuple(unique)) + "))")  # at every position: keys may overlap
+    rx = re.compile(P.by_first_char(tuple(unique)))
     contained = {k: tuple(o for o in unique if o != k and o in k) for k in unique}
+    overlap = {k: tuple(o for o in unique if o != k and o not in k
+                        and any(k.endswith(o[:n]) for n in range(1, min(len(o), len(k)))))
+               for k in unique}
     index: dict[str, list[int]] = {}
     for i, k in enumerate(keys):
         index.setdefault(k, []).append(i)
-    return rx, contained, {k: tuple(v) for k, v in index.items()}
+    return rx, contained, overlap, {k: tuple(v) for k, v in index.items()}
 
 
 SNIFF_BYTES = 4096   # bytes read before the encoding is chosen
@@ -129,7 +135,8 @@ class Scanner:
             for m in nonfinite.MESSAGES] + [
             (key, rx, name, getattr(f, name)) for f in self._families for key, rx, name in f.RULES]
         self._joins = {name: head for f in self._families for name, head in f.JOINS.items()}
-        self._keys_re, self._contained, self._rule_index = _key_index(tuple(r[0] for r in self._rule_table))
+        self._keys_re, self._contained, self._overlap, self._rule_index = _key_index(
+            tuple(r[0] for r in self._rule_table))
         self._phys = ""            # the candidate line being handled, as the file has it ...
         self._line = Logical("")   # ... and as its program printed it (lines.strip_prefixes)
         # progress
@@ -581,14 +588,15 @@ class Scanner:
         """Run the rules whose key is in ``text``, in the table's order: whether one fired, and whether a specific key
         (five characters or more: not "oss" or "nccl") was there -- a line worth putting split words together for.
 
-        The keys present are found by one C-speed search (``_keys_re``, at every position, the longest key there; a
-        key inside it is present too), so a line pays for the rules it may match, not for the whole table."""
+        The keys present are found by one C-speed search (``_keys_re``; see ``_key_index`` for why nothing is
+        missed), so a line pays for the rules it may match, not for the whole table."""
         present = self._keys_re.findall(text)
         if not present:
             return False, False
         keys = set(present)
         for k in present:
             keys.update(self._contained[k])
+            keys.update(o for o in self._overlap[k] if o in text)
         fired: set[str] = set()
         keyed = any(len(k) >= 5 for k in keys)
         for i in sorted({i for k in keys for i in self._rule_index[k]}):
