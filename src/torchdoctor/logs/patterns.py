@@ -1,30 +1,28 @@
-"""The log lines ``torchdoctor logs`` recognises, copied from the code that prints them.
+"""The log lines ``torchdoctor logs`` recognises on the analyzer itself, copied from the code that prints them.
+(Communication, builds, host memory and GPU support are families of their own, each with its table and sources:
+:mod:`.families`; every trainer's loss scaler and the non-finite sentences are :mod:`.scalers` and
+:mod:`.nonfinite`.)
 
 Sources (wording checked against the installed packages where they ship it):
   - DeepSpeed 0.19.8 ``runtime/fp16/loss_scaler.py`` (``[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss
     scale: 65536, reducing to 32768``, the hysteresis variant, ``Current loss scale already at minimum - cannot
     decrease scale anymore. Exiting run.``), ``fused_optimizer.py`` / ``unfused_optimizer.py`` (``Grad overflow on
     iteration N``, ``Reducing dynamic loss scale from X to Y``), ``engine.py`` (``step=N, skipped=S, lr=...``),
-    ``launcher/launch.py`` (``... exits with return code = -9``), ``ops/op_builder/builder.py`` (CUDA mismatch,
-    ``CUDA_HOME does not exist``), ``runtime/config.py`` (batch-size and fp16+bf16 assertions), legacy
-    ``[deepscale] OVERFLOW!`` and ``Overflow detected.`` lines (older releases, still in people's logs);
+    ``launcher/launch.py`` (``... exits with return code = -9``), ``runtime/config.py`` (batch-size and fp16+bf16
+    assertions), legacy ``[deepscale] OVERFLOW!`` and ``Overflow detected.`` lines (older releases, still in logs);
   - torch ``distributed/elastic`` (``exitcode  : -9 (pid: 123)``, ``Signal 9 (SIGKILL) received by PID 123``,
-    ``failed (exitcode: -9) local_rank: 0 (pid: 123)``), ``ProcessGroupNCCL.cpp`` (``Watchdog caught collective
-    operation timeout: WorkNCCL(SeqNum=1, OpType=BROADCAST, ...) ran for 600081 milliseconds before timing out.``),
-    ``NCCLUtils.hpp`` (``NCCL error in: file:line, <reason>, NCCL version X``), the caching allocator
-    (``CUDA out of memory. Tried to allocate ...``), ``utils/cpp_extension.py`` (CUDA and host compiler versions);
+    ``failed (exitcode: -9) local_rank: 0 (pid: 123)``), the caching allocator (``CUDA out of memory. Tried to
+    allocate ...``), c10's CUDA checks (``CUDA error: ...``; THC's ``THCudaCheck FAIL ... error=N : ...`` and ``cuda
+    runtime error (N) : ...`` in torch <= 1.10), cuBLAS/cuDNN statuses;
   - Megatron-DeepSpeed ``training.py`` (``iteration 5426/ 250000 | ... | loss scale: 1.0 | grad norm: nan | ...``),
-    custom trainers that print a GradScaler's scale (``Loss nan ... Fp16 Grad Scale: 0``), gcc/nvcc when the OOM
-    killer takes the compiler (``gcc: fatal error: Killed signal terminated program cc1plus``, ``nvcc error :
-    'cicc' died due to signal 9``), torch's ``CUDA_MISMATCH_MESSAGE`` as printed over two lines, as a
-    ``RuntimeError(fmt, '11.8', '12.4')`` tuple, or only as the ``raise`` line of its traceback;
+    custom trainers that print a GradScaler's scale (``Loss nan ... Fp16 Grad Scale: 0``);
   - transformers' Trainer log dicts (``{'loss': 'nan', 'grad_norm': 'inf', ...}``: 5.x formats floats as strings,
-    4.x printed raw floats), tqdm postfixes (``loss=nan``), nvcc/gcc/ninja, bash/dmesg/slurm OOM-killer lines.
+    4.x printed raw floats), tqdm postfixes (``loss=nan``), bash/zsh/dmesg/slurm kill and OOM-killer lines.
 
-Speed: a log is scanned in large chunks with a few C-speed searches (``SCAN_RE``, ``EXIT_SCAN_RE``,
-``LOSS_SCAN_RE``, ``NORM_SCAN_RE``, ``NEEDLES``) whose anchors start with characters that are rare in logs, so
-Python code runs only on the few lines that can matter; each of those is then matched against ``RULES`` (a cheap
-substring key before each regex).
+Speed: a log is scanned in large chunks with a few C-speed searches (the scanner's ``SCAN_RE`` over every table's
+anchors, ``EXIT_SCAN_RE``, ``ERROR_SCAN_RE``, ``LOSS_SCAN_RE``, ``NORM_SCAN_RE``, ``NEEDLES``) whose anchors start
+with characters that are rare in logs, so Python code runs only on the few lines that can matter; each of those is
+then matched against the rules whose key it holds (one search finds them: ``scan._key_index``).
 """
 
 from __future__ import annotations
@@ -39,8 +37,6 @@ ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 #: DeepSpeed's logging prefix ``[2026-03-02 10:00:00,123] [INFO] [engine.py:3793:_report_progress] ``.
 DS_PREFIX_RE = re.compile(
     r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] \[(DEBUG|INFO|WARNING|ERROR|CRITICAL)\] \[([\w.]+):(\d+):(\w+)\] ")
-#: torchrun's per-rank prefix ``[rank3]:`` (and ``[default3]:`` with --tee / log templates).
-RANK_PREFIX_RE = re.compile(r"^\[(?:rank|default)(\d+)\]:")
 
 # --- the pre-filter -------------------------------------------------------------------------------------------
 # Every alternative is a plain literal (a group or a class in front makes `re` try every position), and most
@@ -199,8 +195,6 @@ SIGTERM_SENT_RE = re.compile(r"Sending process (\d+) closing signal (SIG\w+)")
 SLURM_CANCEL_RE = re.compile(r"CANCELLED AT (\S+) DUE TO (TIME LIMIT|PREEMPTION|NODE FAILURE)")
 
 # crashes (see handlers_crash.py)
-#: torchrun's ``[rank3]: `` prefix as printed before every line of a worker's output (one space after the colon).
-RANK_STRIP_RE = re.compile(r"^\[(?:rank|default)(\d+)\]:[ ]?")
 _PFX = r"^(?:\[(?:rank|default)\d+\]:[ ]?)?"
 #: Python's ``Traceback (most recent call last):``, or IPython's header that names the exception first
 #: (``ImportError        Traceback (most recent call last)``: its frames are ``path in func()`` blocks)
