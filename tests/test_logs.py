@@ -26,7 +26,7 @@ from torchdoctor.advice import fp16_collapse_fix
 from torchdoctor.logs import analyze as A
 from torchdoctor.logs import logs_run
 from torchdoctor.logs.analyze import Analyzer, analyze_lines, analyze_stream, open_log
-from torchdoctor.logs.scan import SNIFF_BYTES, decoder_for
+from torchdoctor.logs.reading import SNIFF_BYTES, decoder_for
 
 FIX = Path(__file__).parent / "fixtures" / "logs"
 

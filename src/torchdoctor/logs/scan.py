@@ -1,16 +1,15 @@
-"""Reading a log: bytes or lines in, candidate segments out to the line handlers, with the step they happened at.
+"""Scanning a log's text: candidate lines out to the rules, as their programs printed them (:mod:`.lines`).
 
 A log is scanned in large chunks with a few C-speed searches (see :mod:`.patterns`); only the segments around
-their hits reach Python. Lines are numbered from 1 by ``\\n``; a ``\\r`` (tqdm redrawing its bar) splits a line
-into segments that are read separately but keep the line's number. Steps come from the last training progress
-bar (``28/189 [``), DeepSpeed ``step=N, skipped=S`` line or Megatron ``iteration N/ M`` line before an event, or
-from the event itself. A message printed over several lines (torch's CUDA-mismatch text) is joined with the
-lines that follow it before it is matched (a family's ``JOINS``).
+their hits reach Python. Lines are numbered from 1 by ``\\n`` (hard wraps joined keep the file's numbers); a ``\\r``
+(tqdm redrawing its bar) splits a line into segments that are read separately but keep the line's number. The bytes
+become text in :mod:`.reading`; where the run was (steps, progress bars) is :mod:`.progress`. A message printed over
+several lines (torch's CUDA-mismatch text) is joined with the lines that follow it before it is matched (a family's
+``JOINS``).
 """
 
 from __future__ import annotations
 
-import codecs
 import re
 from bisect import bisect_right
 from collections import deque
@@ -22,7 +21,6 @@ from . import patterns as P
 from .common import (
     CURRENT,
     JOIN_MAX,
-    MAX_LINE,
     SEG_BEFORE,
     SEG_MAX,
     TEXT_MAX,
@@ -34,7 +32,9 @@ from .common import (
 )
 from .families import FAMILIES
 from .handlers import loss_name
-from .lines import WRAP_SAMPLE, Logical, bar_end, dewrap, rejoin, strip_prefixes, vocabulary, wrap_width
+from .lines import Logical, bar_end, dewrap, rejoin, strip_prefixes, vocabulary
+from .progress import Progress
+from .reading import Reader
 
 #: the prefilter over every family's anchors (patterns.SCAN_ANCHORS and each family's ANCHORS), and the needles
 SCAN_RE = re.compile(P.by_first_char(tuple(dict.fromkeys(
@@ -65,8 +65,6 @@ def _key_index(keys: tuple[str, ...]) -> tuple[re.Pattern[str], dict[str, tuple[
     return rx, contained, overlap, {k: tuple(v) for k, v in index.items()}
 
 
-SNIFF_BYTES = 4096   # bytes read before the encoding is chosen
-_UNDECIDED = object()  # the wrap width before the stream's first WRAP_SAMPLE characters are in
 TAIL_CHARS = 4096    # characters of the end of the output kept for last_lines()
 
 
@@ -78,40 +76,17 @@ def _in_train_summary(buf: str, m: re.Match) -> bool:
     return m["key"].startswith("train_") and buf.find("train_runtime", line_start, pos) >= 0
 
 
-def decoder_for(head: bytes) -> tuple[str, Any]:
-    """The encoding and an incremental decoder for a log that starts with ``head`` (see ``Scanner.feed_bytes``)."""
-    enc = "utf-8"
-    if head.startswith(codecs.BOM_UTF8):
-        enc = "utf-8-sig"
-    elif head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
-        enc = "utf-16"  # the BOM says which end
-    elif len(head) >= 4:
-        even, odd = head[0::2], head[1::2]
-        if odd.count(0) > 0.4 * len(odd) and even.count(0) < 0.1 * len(even):
-            enc = "utf-16-le"
-        elif even.count(0) > 0.4 * len(even) and odd.count(0) < 0.1 * len(odd):
-            enc = "utf-16-be"
-        else:
-            try:
-                head.decode("utf-8")
-            except UnicodeDecodeError as e:
-                if e.start < len(head) - 3:  # not just a character cut at the end of the sniffed bytes
-                    enc = "latin-1"
-    return enc, codecs.getincrementaldecoder(enc)(errors="replace")
-
-
-class Scanner:
-    """The input side of :class:`~torchdoctor.logs.analyze.Analyzer` (its handlers and judges are mixins)."""
+class Scanner(Reader, Progress):
+    """The scanning side of :class:`~torchdoctor.logs.analyze.Analyzer`: text in (from :class:`.reading.Reader`),
+    candidate lines out to the rules, with where the run was (:class:`.progress.Progress`); its handlers and judges
+    are mixins, its failure families collaborators."""
 
     def _init_scan(self) -> None:
         from collections import Counter
 
         self._lines = 0
-        self._midline = False      # text was read since the last newline (a line not counted yet)
-        self._carry = ""
-        self._decoder: Any = None  # chosen from the first bytes (see _sniff)
-        self._sniff_buf = b""
-        self.encoding: str | None = None
+        self._init_reader()
+        self._init_progress()
         self._tail: deque[str] = deque()  # the last TAIL_CHARS characters read, in pieces (the last error lines)
         self._tail_len = 0
         self._timeline = HeadTail(TIMELINE_HEAD, TIMELINE_TAIL)
@@ -121,12 +96,6 @@ class Scanner:
         self._buf_end = 0
         self._seg_start = self._seg_end = 0  # the segment being handled, in the buffer being scanned
         self._join: tuple | None = None  # a message head whose continuation is in the next buffer
-        # hard wraps (lines.dewrap): the width is decided once, from the stream's first WRAP_SAMPLE characters (held
-        # until then, so any chunking reads the same); a command's pipe is never wrapped by a terminal
-        self._wrap: int | None | object = None if getattr(self, "_wraps", None) is False else _UNDECIDED
-        self._held: list[str] = []
-        self._held_n = 0
-        self._wrap_carry = ""      # a last line of exactly the width: its rest may be the next piece's first line
         # the failure families (collaborators, families/) and the rules of all: (key, regex, name, bound handler)
         self._families = [family(self) for family in FAMILIES]
         self._rule_table = [(key, rx, name, getattr(self, name)) for key, rx, name in P.RULES] + [
@@ -139,141 +108,7 @@ class Scanner:
             tuple(r[0] for r in self._rule_table))
         self._phys = ""            # the candidate line being handled, as the file has it ...
         self._line = Logical("")   # ... and as its program printed it (lines.strip_prefixes)
-        # progress
-        self._step: int | None = None
-        self._step_from = "step"   # "bar": the step is a progress bar's count (see _set_step)
         self._deepspeed = False    # the log is a DeepSpeed job's (advice may name its config keys)
-        self._max_step: int | None = None
-        self._planned: int | None = None
-        self._ds_skipped: int | None = None
-        self._ds_step: int | None = None
-        self._iterations = 0
-        self._pending: dict[str, tuple[int, str, int, int]] = {}  # progress markers not parsed yet
-        self._pseq = 0
-        self._bar_done: tuple | None = None  # progress before a finished bar set the step (it may not be training)
-
-    # ----------------------------------------------------------------------------------------------- input
-    def feed_line(self, line: str) -> None:
-        """One line of output, with or without its trailing newline. Never raises."""
-        try:
-            if not isinstance(line, str):
-                line = bytes(line).decode("utf-8", "replace") if isinstance(line, (bytes, bytearray)) else str(line)
-            self._feed_text(line if line.endswith("\n") else line + "\n")
-        except Exception:  # noqa: BLE001 -- a log line must never stop the run it watches
-            self._internal_errors += 1
-
-    def feed_bytes(self, data: bytes) -> None:
-        """Raw bytes as they come (any split). Never raises.
-
-        The encoding is chosen once, from the first ``SNIFF_BYTES`` (held back until that many arrived): a UTF-8 /
-        UTF-16 BOM; UTF-16LE/BE without one (PowerShell's ``>`` writes UTF-16LE; every other byte of ASCII text is
-        NUL); else UTF-8, unless those bytes are not valid UTF-8 (Latin-1 then). Undecodable bytes become U+FFFD.
-        """
-        try:
-            if self._decoder is None:
-                self._sniff_buf += bytes(data)
-                if len(self._sniff_buf) < SNIFF_BYTES:
-                    return
-                data, self._sniff_buf = self._sniff_buf, b""
-                self.encoding, self._decoder = decoder_for(data)
-            self._feed_text(self._decoder.decode(bytes(data)))
-        except Exception:  # noqa: BLE001
-            self._internal_errors += 1
-
-    def feed_block(self, data: str | bytes, *, partial: bool = False) -> None:
-        """Many whole lines at once (``torchdoctor run`` feeds each read of a pipe this way). Never raises.
-
-        ``data`` ends with a newline (one is assumed when it does not, as ``feed_line`` does); bytes are decoded as
-        UTF-8 with replacement (split them at a newline: a character cut in two becomes U+FFFD). ``partial=True``
-        marks a piece of an overlong line that goes on in the next call: it is read and no line is counted. The
-        block goes straight to the chunk scanner of :func:`analyze_stream` -- same results as ``feed_line`` for
-        each of its lines, several times faster -- and is independent of ``feed_bytes``' pending partial line,
-        so several streams (stdout and stderr) can each be cut into whole lines and fed in any interleaving.
-        """
-        try:
-            text = str(data, "utf-8", "replace") if isinstance(data, (bytes, bytearray, memoryview)) else str(data)
-            if not text:
-                return
-            if self._wrap is _UNDECIDED:  # blocks are a pipe's (torchdoctor run): no terminal cut them
-                self._decide_wrap()
-            if not partial and text[-1] != "\n":
-                text += "\n"
-            self._scan(text, len(text))
-        except Exception:  # noqa: BLE001 -- a log line must never stop the run it watches
-            self._internal_errors += 1
-
-    def _flush_input(self) -> None:
-        """The end of the input: a last line without a newline, a message head that never got its continuation."""
-        try:
-            if self._decoder is None:
-                data, self._sniff_buf = self._sniff_buf, b""
-                self.encoding, self._decoder = decoder_for(data)
-                text = self._decoder.decode(data, final=True)
-            else:
-                text = self._decoder.decode(b"", final=True)
-            self._feed_text(text, final=True)
-        except Exception:  # noqa: BLE001
-            self._internal_errors += 1
-        self._tb_expire(1 << 62)  # tracebacks still open: cut before their exception line
-        if self._join is not None:
-            _, handler, seg, lineno, head = self._join
-            self._join = None
-            try:
-                handler(head, seg, lineno)
-            except Exception:  # noqa: BLE001
-                self._internal_errors += 1
-
-    # ------------------------------------------------------------------------------------------- scanning
-    def _feed_text(self, text: str, final: bool = False) -> None:
-        buf = self._carry + text if self._carry else text
-        end = len(buf) if final else buf.rfind("\n") + 1
-        if end:
-            self._scan(buf, end)
-        self._carry = buf[end:]
-        if len(self._carry) > MAX_LINE:  # no newline for a long time (a progress bar redrawn with \r only)
-            cut = self._carry.rfind("\r") + 1 or len(self._carry)
-            self._scan(self._carry, cut)
-            self._carry = self._carry[cut:]
-        if final:  # the text held for the wrap width, and a last line of exactly that width
-            if self._wrap is _UNDECIDED:
-                self._decide_wrap()
-            if self._wrap_carry:
-                carry, self._wrap_carry = self._wrap_carry, ""
-                self._scan_text(carry)
-        if final and self._midline:  # the last line had no newline: it counts too
-            self._lines += 1
-            self._midline = False
-
-    def _scan(self, buf: str, end: int) -> None:
-        """Handle buf[:end] (whole lines, or a piece of an overlong one), once the wrap width is decided."""
-        if not end:
-            return
-        text = buf[:end] if end < len(buf) else buf
-        if self._wrap is _UNDECIDED:
-            self._held.append(text)
-            self._held_n += len(text)
-            if self._held_n >= WRAP_SAMPLE:
-                self._decide_wrap()
-            return
-        if self._wrap is None:
-            self._scan_text(text)
-            return
-        if self._wrap_carry:
-            text = self._wrap_carry + text
-            self._wrap_carry = ""
-        cut = text.rfind("\n", 0, len(text) - 1) + 1  # the start of the last line (it ends the piece)
-        last = text[cut:].rstrip("\n")
-        if last and len(last) % self._wrap == 0 and text.endswith("\n"):
-            self._wrap_carry, text = text[cut:], text[:cut]
-        self._scan_text(text)
-
-    def _decide_wrap(self) -> None:
-        """The stream's wrap width, from its first WRAP_SAMPLE characters; then the text held until now is read."""
-        held = "".join(self._held)
-        self._held, self._held_n = [], 0
-        self._wrap = wrap_width(held[:WRAP_SAMPLE])
-        if held:
-            self._scan(held, len(held))
 
     def _scan_text(self, buf: str) -> None:
         """Handle ``buf`` (whole lines, or a piece of an overlong one): C-speed searches find the candidates.
@@ -446,87 +281,6 @@ class Scanner:
             handler(m if m else head, joined if m else seg, lineno)
         except Exception:  # noqa: BLE001
             self._internal_errors += 1
-
-    # ------------------------------------------------------------------------------------------ progress
-    def _progress_region(self, buf: str, a: int, b: int) -> None:
-        """Note the last progress bar / DeepSpeed step line in buf[a:b]; parsed only when a step is needed."""
-        t = max(buf.rfind(P.TQDM_MARKERS[0], a, b), buf.rfind(P.TQDM_MARKERS[1], a, b))
-        d = buf.rfind(P.DS_STEP_MARKER, a, b)
-        for p, kind in sorted(((t, "tqdm"), (d, "ds"))):
-            if p >= 0:
-                self._pseq += 1
-                self._pending[kind] = (self._pseq, buf, a, p)
-
-    def _resolve_progress(self) -> None:
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, {}
-        for kind, (_, buf, a, p) in sorted(pending.items(), key=lambda kv: kv[1][0]):
-            if kind == "tqdm":
-                self._tqdm_at(buf, a, p)
-            else:
-                self._ds_step_line(self._segment_around(buf, p))
-
-    @staticmethod
-    def _segment_around(buf: str, p: int) -> str:
-        lo, hi = max(0, p - SEG_BEFORE), min(len(buf), p + SEG_MAX)  # bounded, as in _scan
-        ls = max(buf.rfind("\n", lo, p) + 1, lo)
-        r = buf.rfind("\r", ls, p)
-        s = r + 1 if r >= 0 else ls
-        e = buf.find("\n", p, hi)
-        e = hi if e < 0 else e
-        r = buf.find("\r", p, e)
-        return buf[s: r if r >= 0 else e]
-
-    def _tqdm_at(self, buf: str, a: int, p: int) -> None:
-        for _ in range(3):  # a stray "it/s" that is not a bar: try the one before
-            if self._tqdm(self._segment_around(buf, p)):
-                return
-            p = max(buf.rfind(P.TQDM_MARKERS[0], a, p), buf.rfind(P.TQDM_MARKERS[1], a, p))
-            if p < 0:
-                return
-
-    def _tqdm(self, seg: str) -> bool:
-        m = None
-        for m in P.TQDM_RE.finditer(seg):  # noqa: B007 -- the last bar in the segment
-            pass
-        if m is None:
-            return False
-        if P.TQDM_NOT_TRAINING_RE.search(seg, 0, m.start()):
-            return True  # a loading/eval bar: not the training step, and no reason to look further back
-        if m.group(1) is not None:
-            n, total = int(m.group(1)), int(m.group(2))
-            # a finished bar may be a preprocessing one: remember what it replaces (see _training_metrics)
-            self._bar_done = (self._step, self._max_step, self._planned) if n == total else None
-            self._set_step(n, "bar")
-            self._planned = total
-        else:
-            self._bar_done = None
-            self._set_step(int(m.group(3)), "bar")
-        return True
-
-    def _training_metrics(self, seg: str) -> None:
-        """A Trainer metrics dict of a run in progress after a finished bar: that bar was not the training loop
-        (a 7/7 preprocessing bar without a name), so its count is not the step."""
-        if self._bar_done is not None and "epoch" in seg and "train_runtime" not in seg:
-            self._step, self._max_step, self._planned = self._bar_done
-            self._bar_done = None
-
-    def _ds_step_line(self, seg: str) -> None:
-        m = P.DS_STEP_RE.search(seg)
-        if m:
-            self._deepspeed = True  # DeepSpeed's engine prints it
-            self._bar_done = None
-            self._set_step(int(m.group(1)))
-            self._ds_step = int(m.group(1))
-            self._ds_skipped = int(m.group(2))
-
-    def _set_step(self, n: int, source: str = "step") -> None:
-        """The step the log is at; ``source`` "bar" when only a progress bar says so (its count may be batches of an
-        epoch, not optimizer steps: findings then say "progress N/M", never "step N")."""
-        self._step, self._step_from = n, source
-        if self._max_step is None or n > self._max_step:
-            self._max_step = n
 
     def _segment(self, seg: str, lineno: int) -> None:
         """One candidate line: made logical (prefixes off, kept as its rank and time), then matched by the rules.

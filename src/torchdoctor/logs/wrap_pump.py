@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from ..findings import Finding
-from .scan import SNIFF_BYTES, decoder_for
+from .reading import SNIFF_BYTES, decoder_for
 
 _READ_CHUNK = 65536  # a pipe's default capacity: one read takes what it holds
 _MAX_PARTIAL_LINE = 1 << 20  # a "line" longer than this is fed to the analyzer in pieces
@@ -109,7 +109,7 @@ class StreamText:
     """One output stream of the command as decoded blocks of lines for the analyzer (the pass-through is raw).
 
     The encoding is sniffed from the stream's first ``SNIFF_BYTES`` (or all of it, when it ends sooner) by the same
-    test ``torchdoctor logs`` applies to a file (``scan.decoder_for``); until then the analyzer waits, the terminal
+    test ``torchdoctor logs`` applies to a file (``reading.decoder_for``); until then the analyzer waits, the terminal
     and the log do not. A UTF-16 stream (a UTF-16 BOM, or the NUL-every-other-byte shape of UTF-16LE/BE text: a
     Windows-built tool, ``iconv -t UTF-16``) is decoded incrementally and cut into lines as text. Anything else is
     cut into lines as bytes and decoded by :func:`decode_lines` -- per line, not once for the stream as ``logs``
