@@ -15,6 +15,31 @@ import torch
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
+WATCH_LEVELS = ("boundaries", "every-module")
+
+
+def pytest_generate_tests(metafunc):
+    """A test (module) marked ``both_levels`` runs once per watch level: its monitors' default ``watch`` is set to
+    each (a test that names ``watch=`` keeps its own)."""
+    if metafunc.definition.get_closest_marker("both_levels") is not None:
+        metafunc.parametrize("watch_level", WATCH_LEVELS, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def watch_level(request):
+    level = getattr(request, "param", None)
+    if level is None:
+        yield None
+        return
+    from torchdoctor import NumericsMonitor
+
+    defaults = NumericsMonitor.__init__.__kwdefaults__
+    saved, defaults["watch"] = defaults["watch"], level
+    try:
+        yield level
+    finally:
+        defaults["watch"] = saved
+
 
 def tiny_t5(seed: int = 0, **overrides):
     from transformers import T5Config, T5ForConditionalGeneration

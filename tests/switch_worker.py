@@ -144,7 +144,7 @@ def hf(args) -> None:
 
     def blow_up(module, inputs, output):  # the MLP of block 1 overflows in the forward of step --bad-step
         calls["n"] += 1
-        return output * 1e39 if model.training and calls["n"] == args.bad_step + 1 else output
+        return output * 1e39 if model.training and calls["n"] >= args.bad_step + 1 else output  # (a fault that stays)
 
     model.transformer.h[1].mlp.register_forward_hook(blow_up)
     g = torch.Generator().manual_seed(0)

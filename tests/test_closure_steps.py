@@ -14,18 +14,21 @@ from torchdoctor import AbortAfterStep, NonFiniteError, NumericsMonitor
 
 
 class Blowup(nn.Module):
-    """A linear layer whose output turns inf on its ``bad``-th call (counting from 1), and that counts its calls."""
+    """A linear layer whose output turns inf from its ``bad``-th call on (counting from 1; a fault that stays, which a
+    replay of the step reproduces), or only on that call (``once``: a transient fault), and that counts its calls."""
 
-    def __init__(self, bad: int | None) -> None:
+    def __init__(self, bad: int | None, once: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
         self.bad = bad
+        self.once = once
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         y = self.lin(x)
-        return y * float("inf") if self.calls == self.bad else y
+        bad = self.bad is not None and (self.calls == self.bad if self.once else self.calls >= self.bad)
+        return y * float("inf") if bad else y
 
 
 OPTIMIZERS = {
@@ -35,11 +38,14 @@ OPTIMIZERS = {
 }
 
 
-def make(bad: int | None, optimizer: str, tmp_path):
+WATCH = ["boundaries", "every-module"]
+
+
+def make(bad: int | None, optimizer: str, tmp_path, watch: str = "boundaries", once: bool = False):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), Blowup(bad), nn.Linear(4, 1))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), Blowup(bad, once), nn.Linear(4, 1))
     opt = OPTIMIZERS[optimizer](model.parameters())
-    mon = NumericsMonitor(model, opt, report_dir=str(tmp_path))
+    mon = NumericsMonitor(model, opt, report_dir=str(tmp_path), watch=watch)
     x = torch.randn(16, 4)
 
     def closure() -> torch.Tensor:
@@ -69,9 +75,10 @@ def unchanged(model: nn.Module, opt: torch.optim.Optimizer, before) -> bool:
     return same_params and same_state
 
 
+@pytest.mark.parametrize("watch", WATCH)
 @pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
-def test_the_bad_step_is_named_and_its_update_refused(optimizer, tmp_path):
-    model, opt, mon, closure = make(bad=3, optimizer=optimizer, tmp_path=tmp_path)
+def test_the_bad_step_is_named_and_its_update_refused(optimizer, watch, tmp_path):
+    model, opt, mon, closure = make(bad=3, optimizer=optimizer, tmp_path=tmp_path, watch=watch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "the optimizer steps but no forward was recorded" (torch.compile)
         opt.step(closure)
@@ -81,14 +88,33 @@ def test_the_bad_step_is_named_and_its_update_refused(optimizer, tmp_path):
             opt.step(closure)
     first = caught.value.first
     assert (first.step, first.phase, first.module) == (2, "fwd", "2")  # the third step, the module that overflowed
+    assert caught.value.details.replay == ("reproduced" if watch == "boundaries" else "not replayed")
     assert unchanged(model, opt, before)
     assert all(p.grad is None for p in model.parameters())  # the refused step's gradients are not carried on
     assert (tmp_path / "torchdoctor-nonfinite-rank0.json").exists()
     mon.close()
 
 
-def test_lbfgs_bad_first_evaluation_of_a_step(tmp_path):
-    model, opt, mon, closure = make(bad=None, optimizer="LBFGS", tmp_path=tmp_path)
+def test_a_fault_that_does_not_come_back_is_a_transient_and_its_update_is_refused(tmp_path):
+    """Inf on the third call only: the replay of that step (a fourth call, same inputs and RNG state) is finite."""
+    model, opt, mon, closure = make(bad=3, optimizer="SGD", tmp_path=tmp_path, once=True)
+    opt.step(closure)
+    opt.step(closure)
+    before = snapshot(model, opt)
+    with pytest.raises(NonFiniteError) as caught:
+        opt.step(closure)
+    details = caught.value.details
+    assert (details.first.step, details.first.phase, details.first.module) == (2, "fwd", "")  # the model's output
+    assert details.replay == "not reproduced" and details.cause == "numerics.transient"
+    assert "did not reproduce" in details.diagnosis and "nvidia-smi" in details.fix
+    assert unchanged(model, opt, before)
+    assert model[2].calls == 4  # the replay ran the forward once more
+    mon.close()
+
+
+@pytest.mark.parametrize("watch", WATCH)
+def test_lbfgs_bad_first_evaluation_of_a_step(tmp_path, watch):
+    model, opt, mon, closure = make(bad=None, optimizer="LBFGS", tmp_path=tmp_path, watch=watch)
     opt.step(closure)
     evaluations = model[2].calls
     assert evaluations > 1  # LBFGS evaluates the closure several times per step
@@ -101,12 +127,13 @@ def test_lbfgs_bad_first_evaluation_of_a_step(tmp_path):
     mon.close()
 
 
-def test_lbfgs_bad_later_evaluation_puts_the_weights_back(tmp_path):
-    model, opt, mon, closure = make(bad=3, optimizer="LBFGS", tmp_path=tmp_path)  # within the first step
+@pytest.mark.parametrize("watch", WATCH)
+def test_lbfgs_bad_later_evaluation_puts_the_weights_back(tmp_path, watch):
+    model, opt, mon, closure = make(bad=3, optimizer="LBFGS", tmp_path=tmp_path, watch=watch)  # in the first step
     before = snapshot(model, opt)
     with pytest.raises(NonFiniteError) as caught:
         opt.step(closure)
-    assert model[2].calls == 3
+    assert model[2].calls == (4 if watch == "boundaries" else 3)  # (a replay runs the bad evaluation once more)
     assert (caught.value.first.step, caught.value.first.module) == (0, "2")
     assert unchanged(model, opt, before)  # LBFGS had moved them after evaluations 1 and 2
     assert "put back as the step began" in caught.value.report
@@ -164,11 +191,12 @@ class StepOnly:
         return loss
 
 
-def test_closure_of_an_optimizer_without_step_hooks(tmp_path):
+@pytest.mark.parametrize("watch", WATCH)
+def test_closure_of_an_optimizer_without_step_hooks(tmp_path, watch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), Blowup(2), nn.Linear(4, 1))
     opt = StepOnly(model.parameters())
-    mon = NumericsMonitor(model, opt, report_dir=str(tmp_path))
+    mon = NumericsMonitor(model, opt, report_dir=str(tmp_path), watch=watch)
     x = torch.randn(8, 4)
 
     def closure():

@@ -19,6 +19,8 @@ from torchdoctor import NonFiniteError, NumericsMonitor
 from torchdoctor.numerics import causes
 from torchdoctor.numerics.evidence import contradictions
 
+pytestmark = pytest.mark.both_levels  # (conftest: once per watch level)
+
 NAN = float("nan")
 
 

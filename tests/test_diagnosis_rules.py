@@ -23,6 +23,8 @@ from torchdoctor.numerics import causes
 from torchdoctor.numerics.evidence import contradictions
 from torchdoctor.numerics.ranges import compute_dtype, shown
 
+pytestmark = pytest.mark.both_levels  # (conftest: once per watch level)
+
 FP16_MAX = torch.finfo(torch.float16).max
 
 

@@ -70,8 +70,11 @@ def test_every_zero_stage_is_checked_before_deepspeed_applies_the_step(one_rank,
         first = det["error"]["first"]
         if name.startswith("forward"):
             assert (first["module"], first["phase"], first["slot"], first["value"]) == ("inp", "fwd", "output", "inf")
-        elif name == "backward-params":  # each gradient checked as its parameter received it
+        elif name == "backward-params" and stage == "z3":  # watched every module: each gradient checked as its
+            # parameter received it, the first one named
             assert first["phase"] == "bwd" and first["slot"].startswith("grad:") and first["module"] == "inp"
+        elif name == "backward-params":  # the replay from the gradient at the model's output names the module
+            assert (first["module"], first["cls"], first["slot"]) == ("boom", "Boom", "grad_input")
         elif stage == "z3":
             # ZeRO-3 replaces every module's inputs and outputs with tensors of its own (to hook its backward),
             # so the output of act and the input of boom are not the same tensor: the blow-up is told at act's

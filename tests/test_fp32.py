@@ -13,6 +13,8 @@ from torch import nn
 
 from torchdoctor.numerics.fp32 import Fp32Guard, keep_fp32
 
+pytestmark = pytest.mark.both_levels  # (conftest: once per watch level)
+
 FP16_MAX = torch.finfo(torch.float16).max
 
 

@@ -162,3 +162,22 @@ def test_an_inf_loss_with_finite_gradients_is_a_warning_the_trainer_survives(tmp
     assert "The labels reach 1.00e+20" in report.diagnosis
     assert (tmp_path / "torchdoctor-nonfinite-loss-rank0.txt").exists()
     assert not (tmp_path / "torchdoctor-nonfinite-rank0.txt").exists()
+
+
+@pytest.mark.both_levels
+def test_a_backward_fault_under_the_trainers_grad_norm_is_named_where_it_began(tmp_path, watch_level):
+    """The Trainer calls clip_grad_norm_ every step (to log grad_norm, even with max_grad_norm=0): a nan norm makes
+    every gradient nan before optimizer.step(). At the default the replay, from the gradient the loss sent into the
+    model, names the parameter-free module whose backward made it; every module watched at grads="modules" names the
+    same; at grads="params" only a parameter gradient can be named."""
+    from conftest import Boom
+
+    model = tiny_gpt2()
+    model.transformer.h[1].mlp.act = torch.nn.Sequential(model.transformer.h[1].mlp.act, Boom())
+    grads = "modules" if watch_level == "every-module" else "params"
+    trainer = _trainer(model, tmp_path, NumericsCallback(grads=grads))
+    with pytest.raises(NonFiniteError) as exc:
+        trainer.train()
+    first = exc.value.first
+    assert (first.step, first.phase, first.module, first.slot) == (0, "bwd", "transformer.h.1.mlp.act.1", "grad_input")
+    assert exc.value.details.replay == ("reproduced" if watch_level == "boundaries" else "not replayed")

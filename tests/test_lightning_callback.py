@@ -21,7 +21,8 @@ BAD_STEP = 3  # the optimizer step (0-based, as the monitor counts) whose forwar
 
 
 class Blowup(nn.Module):
-    """Multiplies by 1e39 (inf in fp32) in the forward of batch ``at`` (counted across every forward)."""
+    """Multiplies by 1e39 (inf in fp32) from the forward of batch ``at`` on (counted across every forward): a fault
+    that stays, as a replay of the bad step finds it again."""
 
     def __init__(self, at: int | None):
         super().__init__()
@@ -29,7 +30,7 @@ class Blowup(nn.Module):
         self.calls = 0
 
     def forward(self, x):
-        hit = self.at is not None and self.calls == self.at
+        hit = self.at is not None and self.calls >= self.at
         self.calls += 1
         return x * 1e39 if hit else x
 

@@ -15,6 +15,8 @@ from torchdoctor import AbortAfterStep, NonFiniteError, NumericsMonitor
 from torchdoctor.numerics.engines import MonitorWarning
 from torchdoctor.syncs import SyncCounter
 
+pytestmark = pytest.mark.both_levels  # (conftest: once per watch level)
+
 
 def train_step(model, opt, batch):
     loss = model(**batch).loss
@@ -137,7 +139,7 @@ def test_backward_blowup_at_params_level_says_how_to_localize():
     model = boom_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in model.parameters()]
-    with NumericsMonitor(model, optimizer=opt):
+    with NumericsMonitor(model, optimizer=opt, watch="every-module"):
         model(torch.randn(4, 8)).sum().backward()
         with pytest.raises(NonFiniteError) as exc:
             opt.step()
@@ -145,7 +147,25 @@ def test_backward_blowup_at_params_level_says_how_to_localize():
     assert exc.value.first.slot.startswith("grad:")
     assert exc.value.first.module == "fc1"  # the only gradient past boom
     assert "grads='modules'" in exc.value.report
+    assert exc.value.details.replay == "not replayed"
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_backward_blowup_at_the_default_is_replayed_and_named_where_it_began():
+    model = boom_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with NumericsMonitor(model, optimizer=opt, watch="boundaries"):
+        model(torch.randn(4, 8)).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        with pytest.raises(NonFiniteError) as exc:
+            opt.step()
+    first = exc.value.first
+    assert (first.phase, first.module, first.slot) == ("bwd", "boom", "grad_input")  # as grads="modules" names it
+    assert exc.value.details.replay == "reproduced"
+    assert "grads='modules'" not in exc.value.report  # the module is named: no advice to name it
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    del grads
 
 
 def _scaled_run(steps, mon_kwargs, pass_scaler=True):
@@ -178,14 +198,18 @@ def test_gradscaler_overflows_are_recorded_not_raised(grads):
         assert mon.grads == "modules"  # switched itself to localize the next overflow
 
 
+@pytest.mark.parametrize("watch", ["boundaries", "every-module"])
 @pytest.mark.parametrize("grads", ["params", "modules"])
-def test_skipped_steps_are_seen_without_passing_the_scaler(grads):
-    _, mon = _scaled_run(12, {"grads": grads}, pass_scaler=False)
+def test_skipped_steps_are_seen_without_passing_the_scaler(grads, watch):
+    _, mon = _scaled_run(12, {"grads": grads, "watch": watch}, pass_scaler=False)
     assert len(mon.overflows) >= 2 and mon.overflows[0].step == 0
     assert mon.overflows[0].scale is None
     assert mon.overflows[0].module is not None
-    if grads == "params":
+    if grads == "params" and watch == "every-module":
         assert mon.overflows[0].slot.startswith("grad:")  # seen at zero_grad(), while the gradients existed
+    elif watch == "boundaries":
+        # the kept gradient at the model's output: x 2**127 it is already inf as the loss sends it in
+        assert (mon.overflows[0].module, mon.overflows[0].slot) == ("", "grad_output")
 
 
 def test_collapsing_loss_scale_aborts():
@@ -522,18 +546,18 @@ def test_inference_mode_and_submodules_called_alone_under_no_grad():
 
 
 class SkipsBatches(torch.nn.Module):
-    """a -> (maybe raise, as an OOM would) -> (maybe poison) -> b"""
+    """a -> (maybe raise, as an OOM would) -> (poison when the batch says so: a data fault) -> b"""
 
     def __init__(self):
         super().__init__()
         self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
-        self.fail = self.poison = False
+        self.fail = False
 
     def forward(self, x):
         h = self.a(x)
         if self.fail:
             raise RuntimeError("CUDA out of memory (simulated)")
-        return self.b(h * float("inf") if self.poison else h)
+        return self.b(h * float("inf") if bool(x[0, 0] == 123.0) else h)
 
 
 @pytest.mark.parametrize("grads", ["none", "params", "modules"])
@@ -548,9 +572,10 @@ def test_a_caught_failing_forward_does_not_blind_the_rest_of_the_step(grads, wit
         m.fail = True
         with pytest.raises(RuntimeError, match="out of memory"):
             m(torch.randn(2, 4))  # skipped, as OOM handlers do
-        m.fail, m.poison = False, True
-        m(torch.randn(2, 4)).sum().backward()
-        m.poison = False
+        m.fail = False
+        poisoned = torch.randn(2, 4)
+        poisoned[0, 0] = 123.0
+        m(poisoned).sum().backward()
         if with_optimizer:
             opt.step()
         else:
@@ -792,7 +817,8 @@ def test_weights_in_context_frames_are_the_ones_that_frame_ran_with():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), Switch())
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     ran_with = []
-    with NumericsMonitor(model, optimizer=opt) as mon, pytest.raises(NonFiniteError) as exc:
+    # earlier steps' module frames exist only when every module is watched (at the default, their model frames)
+    with NumericsMonitor(model, optimizer=opt, watch="every-module") as mon, pytest.raises(NonFiniteError) as exc:
         for step in range(3):
             model[1].on = step == 2
             ran_with.append(model[0].weight.detach().abs().max().item())

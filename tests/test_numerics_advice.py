@@ -26,6 +26,8 @@ from torchdoctor.numerics import causes
 from torchdoctor.numerics.evidence import contradictions
 from torchdoctor.numerics.fp32 import Fp32Guard
 
+pytestmark = pytest.mark.both_levels  # (conftest: once per watch level)
+
 GIVE = "give torchdoctor the optimizer"
 
 

@@ -21,6 +21,8 @@ from torchdoctor import NonFiniteError, NumericsMonitor
 from torchdoctor.numerics import NonFiniteWarning, causes
 from torchdoctor.numerics.evidence import contradictions
 
+pytestmark = pytest.mark.both_levels  # (conftest: once per watch level)
+
 INF = float("inf")
 
 

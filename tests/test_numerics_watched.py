@@ -23,11 +23,11 @@ class SqrtOfZero(nn.Module):
         return torch.sqrt(x * 0)
 
 
-def bad_backward(tmp_path, via: str) -> NonFiniteError:
+def bad_backward(tmp_path, via: str, watch: str = "every-module") -> NonFiniteError:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), SqrtOfZero(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = NumericsMonitor(model, opt, report_dir=str(tmp_path), _via=via)
+    mon = NumericsMonitor(model, opt, report_dir=str(tmp_path), _via=via, watch=watch)
     try:
         model(torch.randn(2, 4)).sum().backward()
         with pytest.raises(NonFiniteError) as caught:
@@ -47,6 +47,8 @@ FORMS = {
 
 @pytest.mark.parametrize("via", sorted(FORMS))
 def test_option_advice_in_the_form_of_the_integration(tmp_path, via):
+    """Every module watched at grads="params": the backward fault is found at a parameter gradient, and the advice to
+    name its module is in the form the monitor was attached with. (At the default the replay names it: no advice.)"""
     err = bad_backward(tmp_path, via)
     advice = err.details.diagnosis + " ".join(err.details.notes)
     assert FORMS[via] in advice
@@ -60,12 +62,18 @@ def test_setup_option_forms():
     assert Setup().option("abort_after_step", 3) == "NumericsMonitor(..., abort_after_step=3)"
 
 
+def test_at_the_default_the_replay_names_the_module_and_no_option_is_advised(tmp_path):
+    err = bad_backward(tmp_path, "monitor", watch="boundaries")
+    assert (err.first.module, err.first.slot) == ("1", "grad_input") and err.details.replay == "reproduced"
+    assert "grads='modules'" not in err.details.diagnosis + " ".join(err.details.notes)
+
+
 def test_the_report_says_what_was_watched(tmp_path):
-    err = bad_backward(tmp_path, "monitor")
-    assert err.details.watched == "Sequential (25 params) with SGD, grads=params"
+    err = bad_backward(tmp_path, "monitor", watch="boundaries")
+    assert err.details.watched == "Sequential (25 params) with SGD, grads=params, watch=boundaries"
     saved = json.loads((tmp_path / "torchdoctor-nonfinite-rank0.json").read_text())
     assert saved["watched"] == err.details.watched
-    assert "Watched: Sequential (25 params) with SGD, grads=params" in err.report
+    assert "Watched: Sequential (25 params) with SGD, grads=params, watch=boundaries" in err.report
 
 
 def test_wrappers_are_named_outermost_first(tmp_path):

@@ -123,7 +123,7 @@ def test_lightning_gets_its_callback(tmp_path, devices):
     markers = attached(rep)["data"]["attached"]
     assert [m["via"] for m in markers] == ["lightning"] * devices
     assert all(m["watching"] == "Regressor (161 params) with SGD, " + ("DDP, " if devices > 1 else "") +
-               "grads=params" for m in markers), markers
+               "grads=params, watch=boundaries" for m in markers), markers
 
 
 def test_a_fabric_loop_is_looked_through(tmp_path):
@@ -155,11 +155,12 @@ def test_a_script_with_its_own_monitor_is_left_to_it(tmp_path):
 
 
 def test_a_healthy_run_passes_with_the_options_given(tmp_path):
-    rc, rep, err, got = switched(tmp_path, "plain", options=("--grads", "modules", "--trace-steps", "1"))
+    rc, rep, err, got = switched(tmp_path, "plain", options=("--grads", "modules", "--trace-steps", "1", "--watch",
+                                                             "every-module", "--transient", "skip"))
     assert rc == 0 and rep["exit_code"] == 0
     assert "numerics.nonfinite" not in ids(rep)
     assert got[0]["steps_done"] == 5 and got[0]["error"] is None
-    assert "grads=modules" in attached(rep)["data"]["attached"][0]["watching"]
+    assert "grads=modules, watch=every-module" in attached(rep)["data"]["attached"][0]["watching"]
     [run_dir] = (tmp_path / "torchdoctor-reports").iterdir()  # the run's own folder
     trace = [json.loads(line) for line in (run_dir / "torchdoctor-trace-rank0.jsonl").read_text().splitlines()]
     assert {t["step"] for t in trace} == {1}

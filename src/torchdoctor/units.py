@@ -53,3 +53,11 @@ def parse_bytes(text: str, *, plain: int = 1, decimals: bool = True, examples: s
     if not m or (unit and unit not in UNITS):
         raise SizeError(f"{text!r} is not a size (examples: {examples})")
     return Fraction(m.group(1)) * (UNITS[unit] if unit else plain)
+
+
+def human_bytes(n: int) -> str:
+    """``1.5 GiB``, ``64 KiB``, ``12 B``: a byte count for a message (binary units, three significant digits)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"

@@ -1,6 +1,7 @@
 """``torchdoctor run --numerics``: the numerics monitor in every Python process of the command, no code change.
 
-The options (``--grads``, ``--trace-steps``, ``--abort-after-step``; any of them turns ``--numerics`` on) go to
+The options (``--watch``, ``--grads``, ``--transient``, ``--trace-steps``, ``--abort-after-step``; any of them turns
+``--numerics`` on) go to
 the command's environment with the bootstrap (:mod:`torchdoctor.autoattach`), which each Python process loads at
 start-up and which attaches the monitor to what that process trains. After the run, what was attached is read
 back from the markers each process left in the report folder: a run where no Python process loaded the bootstrap
@@ -15,7 +16,10 @@ from typing import Any
 
 from ..findings import Finding
 
-GRAD_LEVELS = ("none", "params", "modules")  # as the monitor's grads= (numerics.options, which imports torch)
+# as the monitor's options (numerics.options, which imports torch)
+GRAD_LEVELS = ("none", "params", "modules")
+WATCH_LEVELS = ("boundaries", "every-module")
+TRANSIENT_ACTIONS = ("raise", "skip")
 
 
 def steps_list(text: str) -> list[int]:
@@ -46,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Lightning's Trainer, the engine deepspeed.initialize returns, or the model a plain loop's optimizer "
         "trains. The first inf/nan stops the run before its update, with the numerics.nonfinite finding.")
     group.add_argument("--numerics", action="store_true", help="attach the monitor")
+    group.add_argument("--watch", choices=WATCH_LEVELS, default=None,
+                       help="boundaries (default: a healthy step costs only its boundaries -- the model's outputs and "
+                            "the parameter gradients; a bad step is replayed with every module watched to name where "
+                            "it began), every-module (every module's call recorded as it runs)")
+    group.add_argument("--transient", choices=TRANSIENT_ACTIONS, default=None,
+                       help="a bad step whose replay does not reproduce it (a transient fault of the device): raise "
+                            "(default) or skip its update and go on")
     group.add_argument("--grads", choices=GRAD_LEVELS, default=None,
                        help="gradient checks: params (default: each parameter gradient once per step), modules "
                             "(also each module's output gradient: names the module whose backward broke), none")
@@ -57,8 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options(args: argparse.Namespace, report_dir: str) -> dict[str, Any] | None:
     """The monitor's options for the command's processes, or None without ``--numerics`` (or an option of it)."""
-    given = {"grads": getattr(args, "grads", None), "trace_steps": getattr(args, "trace_steps", None),
-             "abort_after_step": getattr(args, "abort_after_step", None)}
+    given = {name: getattr(args, name, None)
+             for name in ("watch", "transient", "grads", "trace_steps", "abort_after_step")}
     if not getattr(args, "numerics", False) and all(v is None for v in given.values()):
         return None
     out = {k: v for k, v in given.items() if v is not None}

@@ -46,11 +46,16 @@ NONFINITE_LOSS = "numerics.nonfinite_loss"  # a warning: the loss is inf, every 
 OTHER_RANK = "numerics.other_rank"
 UNKNOWN_GRADIENT = "numerics.unknown_gradient"
 SCALE_COLLAPSE = "numerics.loss_scale_collapse"
+# the step went bad, and replaying it on the same inputs and RNG state did not: the device or a kernel (replay.py)
+TRANSIENT = "numerics.transient"
+# checked at its boundaries and not replayed (an input changed in place since, a collective in the forward): the
+# model's output went bad, which module made it is unknown
+UNLOCALIZED = "numerics.unlocalized"
 CAUSES = (
     BAD_WEIGHT, BAD_INPUT, BETWEEN_MODULES, DIVERGENCE, LOSS_OUTSIDE_MODEL, MODEL_LOSS, LOW_PRECISION_OVERFLOW,
     SQUARE_OVERFLOW,
     INVALID_OP, RANGE_OVERFLOW, BACKWARD_OVERFLOW, BACKWARD_NONFINITE, MARKED_VALUE, BOUNDARY_OVERFLOW,
-    NONFINITE_LOSS, OTHER_RANK, UNKNOWN_GRADIENT, SCALE_COLLAPSE,
+    NONFINITE_LOSS, OTHER_RANK, UNKNOWN_GRADIENT, SCALE_COLLAPSE, TRANSIENT, UNLOCALIZED,
 )
 
 DIVERGENCE_FIX = (

@@ -202,6 +202,29 @@ def _data(frames: list[ResolvedFrame], index: int, got: ModelInput, consumer_lin
     return Diagnosis(causes.BAD_INPUT, text, fix=fix, evidence=evidence)
 
 
+def code_between(frames: list[ResolvedFrame], index: int) -> tuple[ResolvedFrame, ResolvedFrame | None] | None:
+    """The gradient of a module's output measured at ``frames[index]`` went bad while no watched module took that
+    output as its input (:func:`backward_consumer` found none): the forward of its parent used it in plain code.
+    That parent's frame, and the next module it called after the producer (None if none), or None when the producer
+    is the model itself."""
+    bad = frames[index]
+    if bad.root or not bad.name:
+        return None
+    producer = next((i for i in range(index - 1, -1, -1) if frames[i].step == bad.step and frames[i].phase == FWD
+                     and frames[i].name == bad.name), None)
+    if producer is None:
+        return None
+    parent_name = bad.name.rpartition(".")[0]
+    parent = next((f for f in frames[producer + 1:] if f.step == bad.step and f.phase == FWD
+                   and f.name == parent_name), None)
+    if parent is None:
+        return None
+    inside = parent_name + "." if parent_name else ""
+    nxt = next((f for f in frames[producer + 1:] if f.step == bad.step and f.phase == FWD and f.name != parent_name
+                and f.name.startswith(inside) and not f.name.startswith(bad.name + ".")), None)
+    return parent, nxt
+
+
 def _between_modules(frames: list[ResolvedFrame], index: int, bad: Line) -> Diagnosis:
     frame = frames[index]
     kind = "nan" if math.isnan(bad.abs_max) else "inf"
@@ -499,7 +522,19 @@ def _backward(frames: list[ResolvedFrame], index: int, line: Line, what: str, se
     bf16 = bf16 or line.dtype == torch.bfloat16
     consumer = None if line.label.startswith("grad:") else backward_consumer(frames, index)
     evidence = (Evidence.of(frame, line),)
-    if consumer is not None:
+    between = None if consumer is not None or line.label.startswith("grad:") else code_between(frames, index)
+    if between is not None:  # the gradient of a module's output, which no watched module took as its input
+        parent, nxt = between
+        where = (
+            f"the forward was finite; in the backward the gradient at the output of {who(frame.name, frame.cls)} "
+            f"became {what}, and no watched module took that output as its input: plain code in the forward of "
+            f"{who(parent.name, parent.cls)}, after it calls {frame.name}"
+            + (f" and before {nxt.name}" if nxt is not None else "")
+            + " (a torch function, an operator, a view passed on), used it, and that code's backward made the "
+            f"{what}."
+        )
+        target = parent.name
+    elif consumer is not None:
         where = (
             f"the forward was finite; in the backward the gradient was finite at the output of "
             f"{who(consumer.name, consumer.cls)} and became {what} at its input "
@@ -528,11 +563,15 @@ def _backward(frames: list[ResolvedFrame], index: int, line: Line, what: str, se
             f"{where} The step computes in bf16, whose range is fp32's, so a loss scale will not help and neither "
             f"would fp32's range; bf16 keeps 8 bits of mantissa, so a difference of nearly equal values can round "
             f"to 0 before a division or a log: keep {keep} in fp32 to test that. If it stays {what} in fp32, it is "
-            f"the derivative of an operation at a point where it has none ({setup.option('grads', 'modules')} names "
-            "the module, torch.autograd.set_detect_anomaly(True) the op).",
+            f"the derivative of an operation at a point where it has none ("
+            + ("" if consumer is not None else f"{setup.option('grads', 'modules')} names the module, ")
+            + "torch.autograd.set_detect_anomaly(True) names the op).",
             target or None, evidence=evidence,
         )
-    text = _FP32_BACKWARD.format(name=keep, option=setup.option("grads", "modules"))
+    named = consumer is not None or not line.label.startswith("grad:")  # a module's gradient, not a parameter's
+    text = _FP32_BACKWARD.format(name=keep, option="torch.autograd.set_detect_anomaly(True) names the op" if named
+                                 else f"{setup.option('grads', 'modules')} names the module, "
+                                      "torch.autograd.set_detect_anomaly(True) the op")
     return Diagnosis(causes.BACKWARD_NONFINITE, f"{where} {text}", evidence=evidence)
 
 
@@ -540,8 +579,7 @@ _FP32_BACKWARD = (
     "Every value is fp32 or wider, so this is not a small dtype's overflow and more precision will not help: it is "
     "the derivative of an operation at a point where it has none inside {name}'s backward (sqrt or norm of 0, "
     "log or pow near 0, torch.where whose unselected branch is inf/nan, a division by a value that can be 0), or a "
-    "gradient beyond fp32's range (a custom backward's huge factor). {option} names the module, "
-    "torch.autograd.set_detect_anomaly(True) names the op."
+    "gradient beyond fp32's range (a custom backward's huge factor). {option}."
 )
 _BEYOND_FP32 = (
     "Higher precision will not help: look at that operation and the magnitudes it is given (clamp, rescale, or use "

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 from ..advice import fp16_collapse_fix
 from . import causes
-from .compiled import localize
 from .errors import NonFiniteWarning
 from .frames import BWD, FWD, ModuleInfo, ResolvedFrame, measure_now, resolve
 from .loss_warning import as_warning, loss_name, only_the_loss, user_stacklevel
 from .render import who
+from .replay import localize
 from .report import FirstNonFinite, NonFiniteReport, build_report, find_first_bad
 from .scalers import OverflowEvent
 from .stats import all_finite, finite_flags_of
@@ -102,8 +102,8 @@ class Judging:
             frames += self._param_grad_frames(step)
         trail = self._growth.read()
         report = build_report(frames, self.max_frames, self.rank, start, self._hf, judge_params, trail, setup)
-        if report is not None and self._regions:
-            report = localize(self, report, frames, start, judge_params)
+        if report is not None and not self._hf:
+            report = localize(self, self._rec, report, frames, start, judge_params)
         if report is None:  # this rank's own flags were bad, but no value it can name (gradients gone)
             return None, first_bad_code(UNKNOWN_GRADIENT, 0) if self._self_bad else NO_BAD
         phase = BACKWARD if report.first is not None and report.first.phase == BWD else FORWARD
@@ -151,11 +151,37 @@ class Judging:
             self._record_overflow(step, report)
             return
         not_the_model = report.cause in (causes.LOSS_OUTSIDE_MODEL, causes.DIVERGENCE)
-        if self.grads == "params" and only_backward and not not_the_model:
+        module_level = report.first is not None and not report.first.slot.startswith("grad:")
+        if self.grads == "params" and only_backward and not not_the_model and not module_level:
             report.notes.append(
                 f"To see where the backward blow-up starts, run with {self._setup().option('grads', 'modules')}."
             )
+        if report.cause == causes.TRANSIENT and self.transient == "skip":
+            if self._optimizer_hooked() and not self._sync_ranks:
+                self._skip_transient(report)
+                return
+            report.notes.append("transient='skip' was asked, but " + (
+                "deciding it alike on every rank is not done yet: raised instead" if self._sync_ranks else
+                "the step is checked after its update (no optimizer given, or manual steps): raised instead"))
         self._raise(report)
+
+    def _skip_transient(self, report: NonFiniteReport) -> None:
+        """``transient="skip"``: the fault did not reproduce. Refuse this step's update (its gradients dropped, the
+        buffers put back), keep the report in ``transients`` and on disk, warn, and go on with the next step."""
+        report.severity = "warn"
+        report.notes.append("transient='skip': this step's update was refused (its gradients were dropped) and the "
+                            "run went on.")
+        report.watched = report.watched or self.watching
+        self._after_detection()
+        self.transients.append(report)
+        try:
+            paths = report.write(self.report_dir, basename="torchdoctor-transient")
+        except Exception as e:  # never let a full disk turn a skipped step into a crash
+            paths = [f"(not written: {e})"]
+        message = (f"torchdoctor: step {report.step} went non-finite and its replay did not reproduce it (a transient "
+                   f"fault); its update was refused and the run goes on. Report: {paths[0]}")
+        log.warning("%s\n%s", message, report.text())
+        warnings.warn(message, NonFiniteWarning, stacklevel=user_stacklevel())
 
     def _loss_only(self, report: NonFiniteReport, frames: list[ResolvedFrame], start: int, check_grads: bool) -> bool:
         """Is the step's only non-finite value its loss, with every gradient checked and finite (:mod:`.loss_warning`)?

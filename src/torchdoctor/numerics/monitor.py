@@ -55,6 +55,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import operator
@@ -62,7 +63,7 @@ import os
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
 import torch
@@ -77,6 +78,7 @@ from .frames import ModuleInfo
 from .judging import Judging
 from .options import check_options, default_report_dir
 from .recording import Recording
+from .replay import sharded
 from .report import NonFiniteReport
 from .scalers import LossScaler, OverflowEvent
 from .stats import fused_check_works
@@ -108,7 +110,7 @@ def mark(tensor: torch.Tensor, label: str) -> None:
     (the one whose forward is in flight; outside a forward, every live one), so it works however the monitor was
     attached -- the library, a Trainer callback, ``torchdoctor run --numerics`` -- and does nothing without one."""
     live = list({id(m): m for m in list(_WATCHED.values()) if not m._closed}.values())
-    running = [m for m in live if m._root_depth > 0]
+    running = [m for m in live if m._root_depth > 0 or m._rerunning]
     for monitor in running or live:
         monitor.mark(tensor, label)
 
@@ -130,9 +132,25 @@ class NumericsMonitor(Recording, Stepping, Judging):
             any parameter or optimizer state changes: a torch optimizer (also inside accelerate's or
             Lightning's wrapper), DeepSpeed's ZeRO / fp16 / bf16 optimizer, or anything with ``step()``.
             Without it the gradients are checked when each backward ends, but the update cannot be stopped.
+        watch (str): how much of a healthy step is watched. ``"boundaries"`` (default): only what a step begins
+            and ends with -- the model's outputs for each micro-batch, ``mark()``-ed values and the parameter
+            gradients, checked with the one host read per step -- so a healthy step costs little more than that
+            read; a step that goes bad is replayed (same inputs, RNG state, autocast) with every module watched,
+            which names the module, slot and phase where it began, and says whether the fault reproduced.
+            ``"every-module"``: every module's call is recorded as it runs (inputs, outputs, gradients at
+            ``grads="modules"``), the way ``trace_steps`` and transformers' detector see a step; it costs a few
+            tens of microseconds per module call, and a report also shows earlier steps' module frames. Without
+            ``optimizer`` (the step is then checked after its update, when a replay would run on other weights),
+            for models whose forward makes collectives (ZeRO-3, FSDP with several ranks) and in compat mode,
+            every module is watched.
         grads (str): ``"params"`` (default) checks every parameter gradient once per step (on device);
             ``"modules"`` also measures the gradient at every module output, which names the module
-            where a backward blow-up starts; ``"none"`` watches the forward only.
+            where a backward blow-up starts (a replay at ``watch="boundaries"`` always does); ``"none"``
+            watches the forward only.
+        transient (str): what to do with a step whose fault did not reproduce when replayed (a transient fault
+            of the device or a kernel): ``"raise"`` (default) a :class:`NonFiniteError` as for any other, or
+            ``"skip"``: refuse that step's update (its gradients are dropped), record it in :attr:`transients`,
+            warn, and go on. Needs the optimizer (the check must come before the update); never retries a step.
         scaler (optional): a loss scaler (``torch.amp.GradScaler``, DeepSpeed's ``DynamicLossScaler``,
             or anything with ``get_scale()`` and ``update()``). Its overflows are recorded in
             :attr:`overflows`, not raised, unless the scale falls below ``min_loss_scale`` (or reaches
@@ -162,6 +180,7 @@ class NumericsMonitor(Recording, Stepping, Judging):
             written to ``torchdoctor-nonfinite-loss-rank<r>.txt`` / ``.json``, logged, and warned about
             (:class:`NonFiniteWarning`, with the report's path); its update is applied and the run goes on.
         overflows (list[OverflowEvent]): steps a loss scaler skipped.
+        transients (list[NonFiniteReport]): steps skipped with ``transient="skip"`` (their fault did not reproduce).
     """
 
     def __init__(
@@ -170,6 +189,8 @@ class NumericsMonitor(Recording, Stepping, Judging):
         optimizer: Any = None,
         *,
         grads: str = "params",
+        watch: str = "boundaries",
+        transient: str = "raise",
         scaler: Any = None,
         max_frames: int = 21,
         trace_steps: Iterable[int] | None = None,
@@ -187,7 +208,8 @@ class NumericsMonitor(Recording, Stepping, Judging):
         if not isinstance(model, nn.Module):
             raise TypeError(f"NumericsMonitor needs an nn.Module, got {type(model).__name__}")
         traced = check_options(
-            grads=grads, max_frames=max_frames, trace_steps=trace_steps, abort_after_step=abort_after_step,
+            grads=grads, watch=watch, transient=transient, max_frames=max_frames, trace_steps=trace_steps,
+            abort_after_step=abort_after_step,
             report_dir=report_dir, min_loss_scale=min_loss_scale,
             max_consecutive_overflows=max_consecutive_overflows, stream=stream,
         )
@@ -201,6 +223,8 @@ class NumericsMonitor(Recording, Stepping, Judging):
         self._scaler = self._engine.scaler
         self.scaler = self._scaler.obj if self._scaler is not None else None
         self.grads = grads
+        self.watch = watch
+        self.transient = transient
         self.watching = describe(model, self.optimizer, grads)  # what it watches, in one line (watched.describe)
         self.max_frames = operator.index(max_frames)
         self.trace_steps = traced
@@ -219,6 +243,7 @@ class NumericsMonitor(Recording, Stepping, Judging):
 
         self.step_index = 0
         self.overflows: list[OverflowEvent] = []
+        self.transients: list[NonFiniteReport] = []
         self.report: NonFiniteReport | None = None
         self.warnings: list[NonFiniteReport] = []  # findings the run survives (an inf loss, finite gradients)
         self._judged_frames = None  # a bad step's resolved frames, while it is judged
@@ -238,7 +263,18 @@ class NumericsMonitor(Recording, Stepping, Judging):
         self._forward_pending = False  # forward-bounded steps: a training forward awaits its backward
         self._forward_start = 0  # index in the step's frames where the current root forward began
         self._grad_hooks_on = False
-        self._rerunning = False  # an eager re-run of a compiled region is recording
+        self._rerunning = False  # a replay (replay.py) is recording
+        self._module_hooks: list[Any] = []  # every module's forward hook, while steps are watched module by module
+        self._live_now = False  # those hooks are in place
+        self._modules: list[tuple[str, nn.Module]] | None = None  # the watched modules (once attached)
+        # modules the loop calls on their own, outside any call of the model (a LightningModule's training_step
+        # calling self.net): watched at their boundaries like the model, once a step showed them (one step watched
+        # every module after a step at the boundaries recorded no call at all)
+        self._entries: dict[int, nn.Module] = {}
+        self._learning_entries = False
+        self._found_entries: dict[int, nn.Module] = {}
+        self._live_default = True  # watched module by module unless a step is traced (decided at attach)
+        self._cuda_devices: tuple[int, ...] = ()  # the GPUs whose RNG state a replay restores
         self._region_stack: list[tuple[Region, int]] = []  # regions in flight: where their frames begin
         self._warned_unseen = False  # said once: a step without any recorded forward
         self._self_bad = False  # this rank's own flags in the step being judged
@@ -259,6 +295,7 @@ class NumericsMonitor(Recording, Stepping, Judging):
         except BaseException:
             self.close()  # a refused or failed attach leaves no hook behind
             raise
+        self.watching = describe(model, self.optimizer, grads, self.watch_level)
 
     # ------------------------------------------------------------------ lifecycle
     def _attach(self) -> None:
@@ -282,15 +319,18 @@ class NumericsMonitor(Recording, Stepping, Judging):
             if device.type != "cpu":
                 fused_check_works(device)
             window_reduce_works(device)
+        self._cuda_devices = tuple(sorted({d.index or 0 for d in devices if d.type == "cuda"}))
         root_region = self._regions.root
+        self._modules = modules
         for name, module in modules:
             is_root = module is self.model and root_region is None
             info = ModuleInfo(name, engine.class_name(module), weakref.ref(module), is_root=is_root)
             self._infos[id(module)] = info
             _WATCHED[module] = self
-            self.add_handle(module.register_forward_hook(functools.partial(self._on_forward, info), with_kwargs=True))
-            if engine.params_at_forward:
-                self.add_handle(module.register_forward_pre_hook(self._on_pre_forward_params))
+            if is_root:  # the model's own call is watched at every level; the other modules by _set_live
+                self.add_handle(self._hook_module(module, info))
+                if engine.params_at_forward:
+                    self.add_handle(module.register_forward_pre_hook(self._on_pre_forward_params))
         if root_region is None:
             self.add_handle(self.model.register_forward_pre_hook(self._on_root_pre_forward, with_kwargs=True))
             # runs after the root's own hook, and also when the forward raises (then only this one runs)
@@ -298,6 +338,13 @@ class NumericsMonitor(Recording, Stepping, Judging):
                 self.model.register_forward_hook(self._on_root_forward_always, with_kwargs=True, always_call=True)
             )
         self._regions.install(self)
+        # watched every module where a replay could not be trusted (replay.py): without an optimizer the check comes
+        # after the update, when a replay would run on other weights; a model whose forward makes collectives
+        # cannot be replayed on one rank
+        self._live_default = self.watch == "every-module" or self._hf or self.optimizer is None \
+            or engine.params_at_forward or (self._world > 1 and sharded(self.model))
+        self._rec.live = self._live_default or self.step_index in self.trace_steps
+        self._set_live(self._rec.live)  # (every later step decides again as it begins: stepping._new_step)
         engine.install(self)
         self._buffers = BufferGuard(m for _, m in modules)
         self._buffers.start()
@@ -307,6 +354,58 @@ class NumericsMonitor(Recording, Stepping, Judging):
         engine.attach_grad_watch(self)
         if not self._hf:  # transformers reports broken weights in the first forward's frames instead
             self._check_weights_once()
+
+    @property
+    def watch_level(self) -> str:
+        """The level healthy steps are watched at: ``watch``, unless the model or the setup needs every module
+        (no optimizer, collectives in the forward, compat mode)."""
+        return "every-module" if self._live_default else "boundaries"
+
+    def _hook_module(self, module: nn.Module, info: ModuleInfo) -> Any:
+        return module.register_forward_hook(functools.partial(self._on_forward, info), with_kwargs=True)
+
+    def _set_live(self, on: bool) -> None:
+        """Watch every module's call as it runs (``on``), or only the model's own call; the current step's record
+        says which (a step checked at its boundaries is replayed when it goes bad)."""
+        if on == self._live_now or self._closed:
+            return
+        self._live_now = on
+        if not on:
+            for h in self._module_hooks:
+                h.remove()
+            self._module_hooks = []
+            return
+        at_forward = self._engine.params_at_forward
+        for _, module in self._modules:
+            info = self._infos[id(module)]
+            if info.is_root or id(module) in self._entries:
+                continue  # hooked for good
+            self._module_hooks.append(self._hook_module(module, info))
+            if at_forward:
+                self._module_hooks.append(module.register_forward_pre_hook(self._on_pre_forward_params))
+
+    def _add_entries(self, found: dict[int, nn.Module]) -> None:
+        """Watch these modules at their boundaries from now on (they are called outside any call of the model)."""
+        for key, module in found.items():
+            info = self._infos.get(key)
+            if info is None or info.is_root or key in self._entries:
+                continue
+            self._entries[key] = module
+            self.add_handle(self._hook_module(module, info))
+            self.add_handle(module.register_forward_pre_hook(self._on_entry_pre_forward, with_kwargs=True))
+
+    @contextlib.contextmanager
+    def _live_hooks(self) -> Iterator[None]:
+        """Every module watched, module-level gradients included, for a replay; as before after it."""
+        was_live, grads = self._live_now, self.grads
+        self._set_live(True)
+        self.grads = "modules"
+        try:
+            yield
+        finally:
+            self.grads = grads
+            if not was_live:
+                self._set_live(False)
 
     def _replaceable_by(self, new: NumericsMonitor) -> bool:
         """A detector made again on the same model (``Trainer.train()`` twice) replaces the previous one;
@@ -351,9 +450,11 @@ class NumericsMonitor(Recording, Stepping, Judging):
         """
         self._active = False
         self._closed = True
-        for h in self._handles:
+        for h in self._handles + self._module_hooks:
             h.remove()
         self._handles = []
+        self._module_hooks = []
+        self._live_now = False
         for obj, attr, old, wrapper in reversed(self._restore):
             if obj.__dict__.get(attr) is not wrapper:
                 continue  # wrapped again by someone else since: leave theirs, ours is now a pass-through

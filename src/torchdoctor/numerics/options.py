@@ -11,6 +11,8 @@ from typing import Any
 from ..runvars import REPORT_DIR_VAR
 
 GRAD_LEVELS = ("none", "params", "modules")
+WATCH_LEVELS = ("boundaries", "every-module")
+TRANSIENT_ACTIONS = ("raise", "skip")
 
 
 def _is_count(value: Any) -> bool:
@@ -26,6 +28,8 @@ def _is_count(value: Any) -> bool:
 def check_options(
     *,
     grads: str = "params",
+    watch: str = "boundaries",
+    transient: str = "raise",
     max_frames: int = 21,
     trace_steps: Any = None,
     abort_after_step: Any = None,
@@ -38,6 +42,10 @@ def check_options(
     """Refuse bad options with a clear message (ValueError / TypeError); return the traced steps."""
     if grads not in GRAD_LEVELS:
         raise ValueError(f"grads={grads!r} is not one of {', '.join(map(repr, GRAD_LEVELS))}")
+    if watch not in WATCH_LEVELS:
+        raise ValueError(f"watch={watch!r} is not one of {', '.join(map(repr, WATCH_LEVELS))}")
+    if transient not in TRANSIENT_ACTIONS:
+        raise ValueError(f"transient={transient!r} is not one of {', '.join(map(repr, TRANSIENT_ACTIONS))}")
     if not _is_count(max_frames):
         raise ValueError(f"max_frames must be an int >= 0, got {max_frames!r}")
     listable = isinstance(trace_steps, Iterable) and not isinstance(trace_steps, (str, bytes))

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compiled import Region, keep_output_grads, root_call
+from .compiled import Region
 from .frames import BWD, FWD, LABEL, MARK, Frame, ModuleInfo, measure, relabelled, slot_ref
+from .replay import capture, forward_ended, keep_output_grads
 from .slots import labelled_outputs, visible_inputs, visible_outputs
 from .stats import finite_flags_of
 from .step import StepRecord
@@ -78,6 +79,8 @@ class Recording:
             self._root_done = True
             self._on_root_forward_end()
         elif alone and self._outermost_call(module):
+            if self._learning_entries:
+                self._found_entries[id(module)] = module
             self._on_loose_call_end()
 
     def _outermost_call(self, module: nn.Module) -> bool:
@@ -124,13 +127,18 @@ class Recording:
             else:
                 slots += rec.call_slots(args, kwargs, output, now)
             rec.frames.append(Frame(self.step_index, FWD, info, slots, not at_forward, False, first))
+        call = rec.root_calls[-1] if rec.root_calls and not self._rerunning else None
+        if call is not None and (call.module is not module or not (info.is_root or id(module) in self._entries)):
+            call = None
+        if call is not None:
+            forward_ended(call)
         if torch.is_grad_enabled():
             if self.grads == "modules":
                 self._hook_grads(info, output)
-                if info.is_root and rec.root_calls and not self._rerunning:
-                    keep_output_grads(rec.root_calls[-1], output)
             elif info.is_root:
                 self._hook_backward_seen(output)
+            if call is not None and self.grads != "none":
+                keep_output_grads(call, output)  # for a backward replay
 
     def _on_pre_forward_params(self, module: nn.Module, args: Any) -> None:
         """Engines that gather weights only for their module's forward (ZeRO-3): measure them as it starts.
@@ -162,7 +170,10 @@ class Recording:
             # an evaluation / generation forward between training steps: checked on its own at its end,
             # so that a long evaluation loop does not pile its frames onto the training step; under
             # torch.distributed without a collective, since other ranks need not run it
-            self._stash, self._rec = self._rec, StepRecord()
+            self._stash, self._rec = self._rec, StepRecord(live=self._live_now)
+            self._forward_start = 0
+            if not self._live_now:  # checked at its boundaries: keep what a replay would need
+                self._rec.root_calls.append(capture(module, args, kwargs or {}, 0, self._cuda_devices))
             return
         # A backward ran, yet every gradient is None again: the optimizer step was skipped (a loss
         # scaler saw an overflow) and zero_grad() ran. Close that step now.
@@ -171,8 +182,18 @@ class Recording:
         if skipped_possible and self.scaler is None and all(p.grad is None for p in self._params):
             self._close_step("skipped")
         self._forward_start = len(self._rec.frames)
-        if self._regions:  # compiled: keep what an eager re-run of this call would need
-            self._rec.root_calls.append(root_call(args, kwargs, self._forward_start))
+        if self._regions or not self._rec.live:  # keep what a replay of this call would need (replay.py)
+            self._rec.root_calls.append(capture(module, args, kwargs or {}, self._forward_start, self._cuda_devices))
+
+    def _on_entry_pre_forward(self, module: nn.Module, args: Any, kwargs: dict | None = None) -> None:
+        """A module the loop calls on its own (``self.net(x)`` in a LightningModule's ``training_step``), watched at
+        its boundaries like the model: keep what a replay of this call would need."""
+        if _is_compiling() or not self._active or _graph_task() != -1 or self._rerunning or self._root_depth:
+            return
+        rec = self._rec
+        if rec.live or not torch.is_grad_enabled() or not self._outermost_call(module):
+            return
+        rec.root_calls.append(capture(module, args, kwargs or {}, len(rec.frames), self._cuda_devices))
 
     def _inside_root_forward(self, module: nn.Module) -> bool:
         """Is an *outer* call of the root module on the Python stack? Asked only when the depth counter
@@ -259,13 +280,14 @@ class Recording:
             seen = rec.seen.get(key)
             source = slot_ref(seen[2]) if seen is not None and seen[0]() is v else None
             entry = rec.grad_targets.get(key)
-            if entry is not None and entry[0]() is v:
+            version = v._version
+            if entry is not None and entry[0]() is v and entry[2] == version:
                 targets = entry[1]
                 targets.append((info, "grad_" + label, source))
-            else:
+            else:  # (a tensor changed in place since, ReLU(inplace=True): a hook of its own, on its new version)
                 targets = _GradHook(((info, "grad_" + label, source),))
                 targets.monitor = self
-                rec.grad_targets[key] = (weakref.ref(v), targets)
+                rec.grad_targets[key] = (weakref.ref(v), targets, version)
                 v.register_hook(targets)
             if source is None and rec.calls:  # its forward call waits: the source is known once it is measured
                 rec.unsourced.append((key, weakref.ref(v), targets, len(targets) - 1))
@@ -282,7 +304,8 @@ class Recording:
         label = targets[0][1]
         measured = (label, *ref, None, grad.dtype, None, None, False, True, None) if ref is not None else measure(
             rec.buffer, label, grad)
-        params = self._engine.grads_at_report
+        # (a replay's parameter gradients are the ones its own backward returned, not p.grad: replay.replay_call)
+        params = self._engine.grads_at_report and not self._rerunning
         step = self.step_index
         seen_modules = set()
         for info, label, source in targets:

@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..jsonfile import dumps
-from .diagnosis import HEADROOM_FACTOR, Evidence, Setup, backward_consumer, common_region, diagnose, keep_fp32_fix
+from .diagnosis import (
+    HEADROOM_FACTOR,
+    Evidence,
+    Setup,
+    backward_consumer,
+    code_between,
+    common_region,
+    diagnose,
+    keep_fp32_fix,
+)
 from .frames import BWD, Line, ResolvedFrame
 from .render import format_frames, who
 
@@ -64,6 +73,10 @@ class NonFiniteReport:
     cited: list[ResolvedFrame] = field(default_factory=list)
     # what the monitor watched (watched.describe): the model, its size, the optimizer, the wrappers
     watched: str | None = None
+    # whether the step was replayed with every module watched (replay.py): "reproduced", "not reproduced", "not
+    # replayed"; and why, when it was not reproduced or not replayed
+    replay: str | None = None
+    replay_reason: str | None = None
 
     def text(self) -> str:
         tag = f"[rank{self.rank}] " if self.rank is not None else ""
@@ -92,6 +105,8 @@ class NonFiniteReport:
             out.append("Cited by the diagnosis, from frames that end later in the step:")
             out.extend(format_frames(self.cited)[1:])
         out.extend(self.notes)
+        if self.replay is not None:
+            out.append(f"Replay: {self.replay}" + (f" ({self.replay_reason})" if self.replay_reason else ""))
         if self.watched:
             out.append(f"Watched: {self.watched}")
         return "\n".join(tag + line for line in out)
@@ -113,6 +128,8 @@ class NonFiniteReport:
             "frames": [f.to_json() for f in self.frames],
             "cited": [f.to_json() for f in self.cited],
             "watched": self.watched,
+            "replay": self.replay,
+            "replay_reason": self.replay_reason,
         }
 
     def write(self, report_dir: str | os.PathLike, basename: str = "torchdoctor-nonfinite") -> list[str]:
@@ -178,9 +195,14 @@ def build_report(
     frame = frames[index]
     why = diagnose(frames, index, line, judge_params, trail, setup)
     value = "nan" if math.isnan(line.abs_max) else "inf"
-    consumer = backward_consumer(frames, index) if frame.phase == BWD and not line.label.startswith("grad:") else None
+    module_grad = frame.phase == BWD and not line.label.startswith("grad:")
+    consumer = backward_consumer(frames, index) if module_grad else None
+    between = code_between(frames, index) if module_grad and consumer is None else None
     if consumer is not None:
         first = FirstNonFinite(frame.step, BWD, consumer.name, consumer.cls, "grad_input", value)
+    elif between is not None:  # plain code in the parent's forward, after the module whose output gradient it is
+        parent = between[0]
+        first = FirstNonFinite(frame.step, BWD, parent.name, parent.cls, f"code after {frame.name}", value)
     else:
         first = FirstNonFinite(frame.step, frame.phase, frame.name, frame.cls, line.label, value)
     shown = frames[max(0, index - max_frames) : index + 1]

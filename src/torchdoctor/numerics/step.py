@@ -70,13 +70,14 @@ class StepRecord:
     # id(tensor) -> (weakref, version, slot): a module output passed on as the next input is measured once
     seen: dict[int, tuple[weakref.ref, int, Slot]] = field(default_factory=dict)
     # id(output tensor) -> (weakref, [(module info, label, source ref)]): module-level gradient hooks
-    grad_targets: dict[int, tuple[weakref.ref, list]] = field(default_factory=dict)
+    grad_targets: dict[int, tuple[weakref.ref, list, int]] = field(default_factory=dict)  # (..., its version)
     backward_ran: bool = False
     backward_grad_flags: list[torch.Tensor] = field(default_factory=list)  # gradients when a backward ended
     backward_grads: list[tuple[torch.Tensor, weakref.ref]] = field(default_factory=list)  # ... which ones
     queued_task: int | None = None  # the backward whose end-of-backward callback is queued
-    root_calls: list = field(default_factory=list)  # the model's calls, kept for an eager re-run (compiled models)
+    root_calls: list = field(default_factory=list)  # the model's calls, kept for a replay (replay.RootCall)
     continued: bool = False  # compat: the same batch goes on (a submodule called on its own ended a record)
+    live: bool = True  # every module's call recorded as it ran (else only the model's own: replayed if it goes bad)
     weights: StatBuffer | None = None  # the weights of the frames kept as context, measured as the step ended
     # forward calls waiting to be labelled and measured (settle()): (frame, args, kwargs, output, versions)
     calls: list[tuple] = field(default_factory=list)
@@ -209,8 +210,8 @@ class StepRecord:
         seen = self.seen.get(key)
         if seen is not None and seen[1] == version and seen[0]() is value:
             s = seen[2]
-            key = s[KEY]
-            if key is None or key[0] or not judged:  # (key[0]: its group is judged)
+            group = s[KEY]
+            if group is None or group[0] or not judged:  # (group[0]: its group is judged)
                 return relabelled(s, label, judged)
         ref = None
         if not hf and type(value) is torch.Tensor and value.layout is _STRIDED:

@@ -22,6 +22,7 @@ from .diagnosis import Setup
 from .engines import MonitorWarning
 from .errors import AbortAfterStep, NonFiniteError
 from .fp32 import kept_in_fp32
+from .replay import localize, replay_failed_forward
 from .report import NonFiniteReport, build_report
 from .stats import all_finite
 from .step import StepRecord
@@ -42,6 +43,12 @@ class Stepping:
 
     def _new_step(self, continued: bool = False) -> None:
         self._rec = StepRecord(continued=continued)
+        if self._modules is not None:  # (attached) checked at its boundaries, unless this step is traced
+            self._rec.live = self._live_default or self._learning_entries or self.step_index in self.trace_steps
+            self._set_live(self._rec.live)
+            if not self._rec.live and self._found_entries:
+                self._add_entries(self._found_entries)  # (after the live hooks are gone: never two on one module)
+                self._found_entries = {}
         if self._buffers is not None and not continued:  # a continued step keeps the snapshot of its start
             self._buffers.start()
 
@@ -96,6 +103,7 @@ class Stepping:
         elif self._active and not self._rec.empty:
             self._updated_in = self.step_index
             self._late_check = True
+            self._live_default = True  # from the next step on: a replay after the update would run on other weights
         return None
 
     def _check_closure(self, again: bool) -> None:
@@ -147,6 +155,13 @@ class Stepping:
         step goes on, a closure's evaluation)."""
         rec = self._rec
         rec.settle()
+        if rec.live:
+            self._learning_entries = False
+        elif not rec.frames:  # checked at its boundaries, yet no call of the model was seen
+            if not rec.backward_ran and self._engine.grads_at_report:
+                rec.backward_ran = any(p.grad is not None for p in self._params)
+            if rec.backward_ran or source == "optimizer":
+                self._learning_entries = True  # the loop calls modules on their own: watch one step to see which
         nothing = rec.empty and self._deferred_report is None
         if nothing and source in ("forward", "skipped", "final") and not self._sync_ranks:
             return  # (under DDP every rank must take part in the verdict, so no shortcut there)
@@ -318,6 +333,14 @@ class Stepping:
             if report is not None:
                 self._on_failed_forward_report(report)
                 return
+        elif not self._rec.live and self._rec.root_calls:  # checked at its boundaries: replay to look inside
+            # (earlier steps as context: reading this step's statistics now would freeze its buffer, and the step
+            # goes on when no report comes of it)
+            context = self._resolved(list(self._history))
+            report = replay_failed_forward(self, self._rec.root_calls[-1], context)
+            if report is not None:
+                self._on_failed_forward_report(report)
+                return
         del self._rec.frames[self._forward_start :]
         if self._stash is not None:
             self._rec, self._stash = self._stash, None
@@ -335,9 +358,11 @@ class Stepping:
         flag = self._rec.activation_flag()
         done, self._rec, self._stash = self._rec, self._stash, None
         if flag is not None and not bool(flag.item()):
-            report = build_report(self._resolved([done]), self.max_frames, self.rank, 0, self._hf,
-                                  setup=self._setup())
+            frames = self._resolved([done])
+            report = build_report(frames, self.max_frames, self.rank, 0, self._hf, setup=self._setup())
             assert report is not None
+            if not self._hf:
+                report = localize(self, done, report, frames, 0, True)
             report.notes.append("This was a forward under torch.no_grad() (evaluation or generation).")
             if self._sync_ranks:
                 # other ranks may be in a collective already: say it at the next shared verdict, together

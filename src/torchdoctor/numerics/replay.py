@@ -1,0 +1,499 @@
+"""A bad step replayed with every module watched: how the monitor looks inside a step it checked only at its
+boundaries (``watch="boundaries"``), or inside a compiled region it watched only at its edges.
+
+While a step runs, each call of the model (each micro-batch) leaves a :class:`RootCall`: its inputs (references to
+the batch, never copies) with their version counters, the RNG state of every device the model uses, the autocast
+state, the grad and train/eval modes, and, once its backward has run, the gradient its outputs received (the
+loss's alone when the model returns one; at most :data:`GRAD_BYTES_KEPT` per call). Nothing of it is read on a
+healthy step, and it is dropped when the step ends.
+
+When the step's check fails, :func:`localize` replays the micro-batch that went bad with every module's hooks in
+place, module-level gradients included, into a fresh record (:mod:`.step`), and builds the report from what the
+replay saw. A forward fault is found by the replayed forward (under ``no_grad``); a backward fault by the
+replayed forward followed by ``autograd.grad`` from the kept output gradient, micro-batch by micro-batch in the
+order they ran, until one reproduces it. The replay changes nothing the run keeps: no ``.grad`` (``autograd.grad``
+returns the gradients instead of accumulating them, so no accumulate-grad hook -- DDP's reducer, an engine's
+bucket -- runs), no optimizer state, the buffers and the RNG state put back, and any collective stopped before
+it is issued (one rank replaying alone would wait for the others forever).
+
+The report says what happened (:data:`REPRODUCED`, :data:`NOT_REPRODUCED`, :data:`NOT_REPLAYED` with the reason):
+reproduced means the data or the model (the fix applies); not reproduced means the same inputs under the same RNG
+state computed finite values, a transient fault of the device or a kernel. A compiled model replays eagerly
+(``force_eager``), not inductor's kernels, so there "not reproduced" may also be the kernels' own rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..units import human_bytes
+from .buffers import saved_buffers
+from .diagnosis import backward_consumer
+from .frames import BWD, FWD, MARK, ResolvedFrame, measure_now
+from .report import NonFiniteReport, build_report
+from .slots import output_slots
+from .step import StepRecord
+
+if TYPE_CHECKING:
+    from .monitor import NumericsMonitor
+
+REPRODUCED, NOT_REPRODUCED, NOT_REPLAYED = "reproduced", "not reproduced", "not replayed"
+
+#: The gradient a micro-batch's outputs receive is kept for a backward replay up to this many bytes (a loss is 4;
+#: a model that returns logits and leaves the loss to the loop keeps its logits' gradient, batch x tokens x vocab).
+#: Above it the gradient is not kept: a backward fault in that micro-batch is then reported where the step's
+#: check found it (a parameter gradient), with the reason, not replayed.
+GRAD_BYTES_KEPT = 64 << 20
+
+
+@dataclass(eq=False)
+class RootCall:
+    """One call of the model (a micro-batch): what replaying it needs, kept until its step is checked."""
+
+    module: nn.Module  # the module called: the model, or a module the loop calls on its own (monitor._entries)
+    args: tuple
+    kwargs: dict
+    start: int  # index in the step's frames where this call's frames begin
+    cpu_rng: torch.Tensor
+    cuda_rng: dict[int, torch.Tensor]  # device index -> its generator's state
+    autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) of every autocast on at the call
+    training: bool
+    versions: list[tuple[torch.Tensor, int]]  # the inputs' tensors and their versions as the call began
+    forward: Any = None  # a forward set on the instance for this call (Lightning's redirection to training_step)
+    changed_in_forward: bool = False  # the forward itself changed one of its inputs in place
+    output_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # by output label
+    grad_bytes: int = 0
+    dropped: str | None = None  # an output whose gradient was above GRAD_BYTES_KEPT
+
+
+def _input_tensors(args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
+    """The tensors among a call's arguments, and one level into a list, tuple or dict among them (a batch)."""
+    out = []
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += [x for x in a if isinstance(x, torch.Tensor)]
+        elif isinstance(a, dict):
+            out += [x for x in a.values() if isinstance(x, torch.Tensor)]
+    return out
+
+
+def _versions(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+    out = []
+    for t in tensors:
+        with contextlib.suppress(RuntimeError):  # an inference tensor has no version counter (nor in-place changes)
+            out.append((t, t._version))
+    return out
+
+
+def _autocast_now() -> tuple[tuple[str, torch.dtype], ...]:
+    on = []
+    for device_type in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(device_type):
+                on.append((device_type, torch.get_autocast_dtype(device_type)))
+        except (TypeError, AttributeError):  # torch < 2.4: the device-specific spellings
+            if device_type == "cpu" and torch.is_autocast_cpu_enabled():
+                on.append(("cpu", torch.get_autocast_cpu_dtype()))
+            elif device_type == "cuda" and torch.is_autocast_enabled():
+                on.append(("cuda", torch.get_autocast_gpu_dtype()))
+    return tuple(on)
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict | None, start: int, cuda_devices: tuple[int, ...]) -> RootCall:
+    """What a replay of this call will need, taken as the model's forward begins (references and a few small
+    states: the CPU generator's 5 KB, 16 bytes per GPU)."""
+    cuda = {d: torch.cuda.get_rng_state(d) for d in cuda_devices}
+    return RootCall(model, args, dict(kwargs or {}), start, torch.get_rng_state(), cuda, _autocast_now(),
+                    model.training, _versions(_input_tensors(args, kwargs)), model.__dict__.get("forward"))
+
+
+def forward_ended(call: RootCall) -> None:
+    """The call's forward returned: did it change one of its own inputs in place? (Then a replay would start from
+    another value than the forward did.)"""
+    call.changed_in_forward = any(t._version != v for t, v in call.versions)
+
+
+def keep_output_grads(call: RootCall, output: Any) -> None:
+    """Keep the gradient the model's output receives, for a backward replay: a 0-d output (the loss the model
+    computed) is enough and small; otherwise every differentiable output, up to :data:`GRAD_BYTES_KEPT` in all."""
+    outs = [(label, v) for label, v in output_slots(output) if isinstance(v, torch.Tensor) and v.requires_grad]
+    losses = [(label, v) for label, v in outs if v.dim() == 0]
+    for label, v in losses or outs:
+        v.register_hook(_Keeper(call, label))
+
+
+class _Keeper:
+    __slots__ = ("call", "label")
+
+    def __init__(self, call: RootCall, label: str) -> None:
+        self.call, self.label = call, label
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        call = self.call
+        size = grad.numel() * grad.element_size()
+        if call.grad_bytes + size > GRAD_BYTES_KEPT:
+            call.dropped = call.dropped or f"{self.label}, {human_bytes(size)}"
+            return
+        call.grad_bytes += size
+        call.output_grads[self.label] = grad
+
+
+class CollectiveInReplay(RuntimeError):
+    """A replay tried to communicate with other ranks (it is stopped before the collective is issued)."""
+
+
+class _NoCollectives(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+            raise CollectiveInReplay(f"{func} is a collective")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _eager_everywhere() -> Iterator[None]:
+    stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    with stance("force_eager") if stance is not None else contextlib.nullcontext():
+        yield
+
+
+@contextlib.contextmanager
+def _as_the_call_ran(model: nn.Module, call: RootCall) -> Iterator[None]:
+    """The RNG states, autocast, train/eval mode and forward of the call; everything put back after. (Lightning's
+    strategies call ``training_step`` through the model's ``__call__`` by setting ``forward`` on the instance for
+    that one call: the replay calls what the step called.)"""
+    forward_now = model.__dict__.get("forward")
+    if call.forward is not None and forward_now is not call.forward:
+        model.forward = call.forward
+    cpu_now = torch.get_rng_state()
+    cuda_now = {d: torch.cuda.get_rng_state(d) for d in call.cuda_rng}
+    modes = None
+    if model.training != call.training:  # the loop switched modes since (model.eval() to evaluate)
+        modes = [(m, m.training) for m in model.modules()]
+        model.train(call.training)
+    torch.set_rng_state(call.cpu_rng)
+    for d, state in call.cuda_rng.items():
+        torch.cuda.set_rng_state(state, d)
+    try:
+        with contextlib.ExitStack() as stack:
+            on = dict(call.autocast)
+            for device_type in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+                if device_type in on:
+                    stack.enter_context(torch.autocast(device_type, dtype=on[device_type]))
+                else:  # (a check made at the next forward may run inside the loop's own autocast)
+                    stack.enter_context(torch.autocast(device_type, enabled=False))
+            yield
+    finally:
+        torch.set_rng_state(cpu_now)
+        for d, state in cuda_now.items():
+            torch.cuda.set_rng_state(state, d)
+        for m, training in modes or ():
+            m.training = training
+        if forward_now is None:
+            model.__dict__.pop("forward", None)
+        else:
+            model.forward = forward_now
+
+
+def changed_input(call: RootCall) -> str | None:
+    """Why the call cannot be replayed as it ran, or None: an input changed in place since its forward began."""
+    if call.changed_in_forward:
+        return "the forward changed one of its own inputs in place, so a replay would start from another value"
+    for t, v in call.versions:
+        if t._version != v:
+            return (f"an input of the call (a {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} tensor) was "
+                    "changed in place after its forward, so a replay would not see what the forward saw")
+    return None
+
+
+def replay_call(mon: NumericsMonitor, call: RootCall, backward: bool, failed: bool = False) -> list[ResolvedFrame]:
+    """Replay one call with every module watched, into the monitor's current (fresh) record; the frames it saw,
+    with the parameter gradients the replayed backward computed (measured now, module by module in backward
+    order, as a report at ``"params"`` shows them). State is put back. ``failed``: the call raised; so does its
+    replay, and the frames before the exception are what it shows."""
+    model = call.module
+    grads = None
+    with mon._live_hooks(), saved_buffers(mon.model.buffers()), _as_the_call_ran(model, call), \
+            _eager_everywhere(), _NoCollectives():
+        if not backward:
+            with torch.no_grad():
+                try:
+                    model._call_impl(*call.args, **call.kwargs)
+                except CollectiveInReplay:
+                    raise
+                except Exception:
+                    if not failed:
+                        raise
+        else:
+            with torch.enable_grad():
+                out = model._call_impl(*call.args, **call.kwargs)
+            outs, seeds = [], []
+            for label, v in output_slots(out):
+                g = call.output_grads.get(label)
+                if g is not None and isinstance(v, torch.Tensor) and v.requires_grad:
+                    outs.append(v)
+                    seeds.append(g)
+            params = [(info, n, p) for info in mon._infos.values() if (m := info.module()) is not None
+                      for n, p in m.named_parameters(recurse=False) if p.requires_grad]
+            if outs and params:
+                grads = torch.autograd.grad(outs, [p for _, _, p in params], seeds, allow_unused=True)
+    frames = mon._resolved([mon._rec])
+    if grads is not None:
+        frames += _param_grad_frames(mon.step_index, params, grads, frames)
+    return frames
+
+
+def _param_grad_frames(step: int, params: list, grads: tuple, frames: list[ResolvedFrame]) -> list[ResolvedFrame]:
+    """The replayed backward's parameter gradients as frames of their modules, in backward order (the reverse of
+    the replayed forward's)."""
+    by_module: dict[str, tuple[Any, list]] = {}
+    for (info, name, _), g in zip(params, grads, strict=True):
+        if g is not None:
+            by_module.setdefault(info.name, (info, []))[1].append((name, g))
+    ran = [f.name for f in frames if f.phase == FWD]
+    order = {name: i for i, name in enumerate(dict.fromkeys(reversed(ran)))}
+    out = []
+    for name in sorted(by_module, key=lambda n: order.get(n, len(order))):
+        info, named = by_module[name]
+        out.append(ResolvedFrame(step, BWD, info.name, info.cls, [measure_now(f"grad:{n}", g) for n, g in named]))
+    return out
+
+
+def sharded(module: nn.Module) -> bool:
+    """Does this module's forward make collectives by design (FSDP unshards, ZeRO-3 gathers)?"""
+    for m in module.modules():
+        if type(m).__name__ == "FullyShardedDataParallel" or any(c.__name__ == "FSDPModule" for c in type(m).__mro__):
+            return True
+    return any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in module.parameters())
+
+
+def _compiled_edge(frames: list[ResolvedFrame], index: int, backward: bool) -> bool:
+    """Is the first bad frame one the compiled code hid the inside of?"""
+    bad = frames[index]
+    if bad.boundary:
+        return True
+    if not backward:
+        return False
+    line = bad.first_bad_line()
+    if line is not None and line.label.startswith("grad:") and line.ref is None:
+        return True  # a parameter gradient measured at the step's end: its module may sit in a region
+    consumer = backward_consumer(frames, index)
+    return consumer is not None and consumer.boundary
+
+
+def _bad_output_grad(calls: list[RootCall]) -> tuple[RootCall, str, torch.Tensor] | None:
+    """A kept gradient at the model's output that is already non-finite (one read each: a bad step only)."""
+    for call in calls:
+        for label, g in call.output_grads.items():
+            if not bool(torch.isfinite(g).all()):
+                return call, label, g
+    return None
+
+
+def _settled(report: NonFiniteReport, status: str, reason: str | None = None) -> NonFiniteReport:
+    report.replay, report.replay_reason = status, reason
+    return report
+
+
+def _unreplayed(mon: NumericsMonitor, report: NonFiniteReport, coarse: bool, reason: str) -> NonFiniteReport:
+    """A step that could not be replayed. ``coarse``: it was checked at its boundaries, so say what its frames show
+    (the model's output, a parameter gradient) and no more -- no module inside the model was watched, so none is
+    claimed finite."""
+    from . import causes  # (report-time only)
+
+    report.notes.append(f"Not replayed: {reason}.")
+    first = report.first
+    if coarse and first is not None and first.phase == FWD:
+        report.diagnosis = (
+            f"the model's {first.slot} was {first.value}. This step was checked at its boundaries (the model's "
+            "outputs and the parameter gradients) and could not be replayed, so which module made it is unknown.")
+        report.fix = (f"{mon._setup().option('watch', 'every-module')} watches every module as it runs (and names it "
+                      "the next time); or add torchdoctor.mark(x, 'name') calls inside the model's forward")
+        report.cause, report.fp32_region, report.evidence, report.cited = causes.UNLOCALIZED, None, (), []
+    return _settled(report, NOT_REPLAYED, reason)
+
+
+def _marked_after_the_call(frames: list[ResolvedFrame], start: int, position: int, calls: list[RootCall]) -> bool:
+    """Is the first bad frame a value marked after the model's call returned (a loss computed from its outputs)?"""
+    bad = frames[start + position]
+    if bad.phase != MARK:
+        return False
+    call = next((c for c in reversed(calls) if c.start <= position), None)
+    return call is not None and any(f.root and f.phase == FWD for f in frames[start + call.start:start + position])
+
+
+def localize(mon: NumericsMonitor, rec: StepRecord, report: NonFiniteReport, frames: list[ResolvedFrame], start: int,
+             judge_params: bool) -> NonFiniteReport:
+    """Look inside the step (``rec``) that went bad when it was not watched module by module
+    (``watch="boundaries"``), or when its first bad value is where compiled code hid what happened: replay the
+    micro-batch and return the report of what the replay shows, or this one, saying why not (``report.replay``)."""
+    position = report.position
+    backward = report.first is not None and report.first.phase == BWD
+    compiled = bool(mon._regions) and _compiled_edge(frames, start + position, backward)
+    if rec.live and not compiled:
+        return _settled(report, NOT_REPLAYED, "every module was watched as the step ran: nothing to replay")
+    if rec is mon._rec and not mon._checked_before_update():  # (an evaluation pass changes no weight)
+        return _unreplayed(mon, report, not rec.live, "this step was checked after its update (mon.step() after "
+                           "optimizer.step()), so a replay would run on other weights than the step did")
+    calls = list(rec.root_calls)
+    if not calls:
+        return _settled(report, NOT_REPLAYED, "no call of the model was recorded in this step")
+    if _marked_after_the_call(frames, start, position, calls):
+        return _settled(report, NOT_REPLAYED, "the first non-finite value was marked after the model's forward "
+                        "returned: the model's outputs were finite, so there is nothing inside it to replay")
+    if mon._world > 1 and sharded(mon.model):
+        return _unreplayed(mon, report, not rec.live, "the model is sharded (FSDP / ZeRO-3): a replay to look "
+                           "inside would make collectives on this rank alone")
+    if backward:
+        bad = _bad_output_grad(calls)
+        if bad is not None:
+            return _loss_gradient_report(mon, report, frames, start, bad, judge_params)
+        todo = [c for c in calls if c.output_grads]
+        if not todo:
+            dropped = next((c.dropped for c in calls if c.dropped), None)
+            reason = (f"the gradient at the model's output ({dropped}) is above the {human_bytes(GRAD_BYTES_KEPT)} "
+                      "kept per micro-batch for a replay" if dropped else
+                      "no gradient reached the model's outputs (a backward from a value the monitor does not see)")
+            report.notes.append(f"Not replayed: {reason}; the parameter gradient above is where the step's check "
+                                "found the fault, not where it began.")
+            return _settled(report, NOT_REPLAYED, reason)
+    else:
+        todo = [c for c in calls if c.start <= position][-1:]
+    why_not = [changed_input(c) for c in todo]
+    if all(why_not):
+        return _unreplayed(mon, report, not rec.live, why_not[0])
+    for call, skip in zip(todo, why_not, strict=True):
+        if skip:
+            continue
+        saved, mon._rec, mon._rerunning = mon._rec, StepRecord(live=True), True
+        try:
+            inner = replay_call(mon, call, backward)
+        except CollectiveInReplay as e:
+            return _unreplayed(mon, report, not rec.live, f"the replay was stopped before a collective ({e}): on "
+                               "one rank alone it would wait for the others forever")
+        except Exception as e:  # the replay is a bonus: never let it hide the finding itself
+            return _unreplayed(mon, report, not rec.live, f"the replay raised {type(e).__name__}: {e}")
+        finally:
+            mon._rec, mon._rerunning = saved, False
+        context = frames[: start + call.start]  # earlier micro-batches and steps, then what the replay saw
+        again = build_report(context + inner, mon.max_frames, mon.rank, len(context), mon._hf, judge_params,
+                             mon._growth.read(), mon._setup())
+        if again is None:
+            continue
+        again.position = position  # ranks compare where the value went bad in the step they all ran
+        again.notes.append(_replayed_note(mon, report, frames[start + position], compiled, len(calls), calls,
+                                          call))
+        return _settled(again, REPRODUCED)
+    return _not_reproduced(mon, report, compiled, backward)
+
+
+def replay_failed_forward(mon: NumericsMonitor, call: RootCall, context: list[ResolvedFrame]) -> NonFiniteReport | None:
+    """A forward checked at its boundaries raised: was a value non-finite before the exception? Replayed (it raises
+    again, under ``no_grad``) with every module watched; the report, or None when the replay saw nothing bad (or
+    could not run: the exception is then the only finding). An out-of-memory error is not replayed."""
+    exc = sys.exc_info()[1]
+    if isinstance(exc, torch.OutOfMemoryError) or changed_input(call) is not None:
+        return None
+    saved, mon._rec, mon._rerunning = mon._rec, StepRecord(live=True), True
+    try:
+        inner = replay_call(mon, call, backward=False, failed=True)
+    except Exception:
+        return None
+    finally:
+        mon._rec, mon._rerunning = saved, False
+    report = build_report(context + inner, mon.max_frames, mon.rank, len(context), mon._hf, setup=mon._setup())
+    if report is not None:
+        report.notes.append("Replayed: the forward was checked at its boundaries and raised; it was run again on the "
+                            "same inputs, RNG state and autocast with every module watched (it raised again).")
+        _settled(report, REPRODUCED)
+    return report
+
+
+def _replayed_note(mon: NumericsMonitor, report: NonFiniteReport, bad: ResolvedFrame, compiled: bool, n: int,
+                   calls: list[RootCall], call: RootCall) -> str:
+    which = f"micro-batch {calls.index(call) + 1} of {n}" if n > 1 else "this micro-batch"
+    if compiled:
+        return ("The model is compiled (torch.compile): these frames come from an eager replay of "
+                f"{which} on the same inputs (RNG state restored), after the compiled run went non-finite"
+                + (f" at {report.first.module or report.first.cls}'s edge." if bad.boundary else "."))
+    return (f"Replayed: the step was checked at its boundaries (the model's outputs and the parameter gradients); "
+            f"{which} was run again on the same inputs, RNG state and autocast with every module watched, and the "
+            "fault reproduced -- so it comes from the data or the model, and the fix above applies. Frames of "
+            "earlier steps show the model's calls only.")
+
+
+def _not_reproduced(mon: NumericsMonitor, report: NonFiniteReport, compiled: bool, backward: bool) -> NonFiniteReport:
+    if compiled:
+        report.notes.append(
+            "The model is compiled (torch.compile). This micro-batch was re-run eagerly on the same inputs (RNG "
+            "state restored) and stayed finite there: the compiled kernels round differently near the dtype's limit "
+            "(or drew other dropout masks). Run this step without torch.compile to see inside."
+        )
+        return _settled(report, NOT_REPRODUCED, "the eager replay of the compiled model stayed finite")
+    from . import causes  # (report-time only)
+
+    where = device_of(mon)
+    report.diagnosis = (
+        f"the step went non-finite ({'in the backward' if backward else 'in the forward'}), but replaying it on the "
+        "same inputs, RNG state and autocast computed finite values: the fault did not reproduce, so it is not the "
+        f"data or the model but a transient fault of the device or a kernel{where}."
+    )
+    report.fix = (
+        "check the device: on a GPU, nvidia-smi -q -d ECC,ROW_REMAPPER (uncorrectable errors, remapped rows) and "
+        "dcgmi diag -r 3 (or NVIDIA's field diagnostic), and look for Xid errors in the kernel log (dmesg | grep -i "
+        "xid); a kernel that is not deterministic (atomics) can also differ from run to run. If it happens again on "
+        "the same device, take that device out of the job. "
+        + mon._setup().option("transient", "skip") + " skips such a step and goes on (counted in monitor.transients)."
+    )
+    report.cause = causes.TRANSIENT
+    report.fp32_region = None
+    report.evidence = ()
+    report.cited = []
+    return _settled(report, NOT_REPRODUCED, "the replay on the same inputs and RNG state stayed finite")
+
+
+def device_of(mon: NumericsMonitor) -> str:
+    """' (rank R, host H, device D)' for a transient fault's report."""
+    import socket
+
+    parts = []
+    if mon.rank is not None:
+        parts.append(f"rank {mon.rank}")
+    parts.append(f"host {socket.gethostname()}")
+    devices = sorted({str(p.device) for p in mon._params if p.device.type != "meta"})
+    if devices:
+        name = ""
+        if devices[0].startswith("cuda"):
+            with contextlib.suppress(Exception):
+                name = f" ({torch.cuda.get_device_name(torch.device(devices[0]))})"
+        parts.append(f"device {', '.join(devices[:4])}{name}")
+    return " (" + ", ".join(parts) + ")"
+
+
+def _loss_gradient_report(mon: NumericsMonitor, report: NonFiniteReport, frames: list[ResolvedFrame], start: int,
+                          bad: tuple[RootCall, str, torch.Tensor], judge_params: bool) -> NonFiniteReport:
+    """The gradient reaching the model's output was already non-finite: the fault is in what computed it from the
+    outputs (the loss), outside the model -- the report is built with that gradient as the first bad value."""
+    call, label, grad = bad
+    root = next((f for f in frames[start:] if f.root), None)
+    info_name, cls = (root.name, root.cls) if root is not None else ("", type(mon.model).__name__)
+    line = measure_now("grad_" + label, grad)
+    index = next((i for i in range(start + call.start, len(frames)) if frames[i].root and frames[i].phase == FWD),
+                 None)
+    cut = len(frames) if index is None else index + 1
+    grad_frame = ResolvedFrame(mon.step_index, BWD, info_name, cls, [line], root=True)
+    again = build_report(frames[:cut] + [grad_frame], mon.max_frames, mon.rank, start, mon._hf, judge_params,
+                         mon._growth.read(), mon._setup())
+    again = again or report
+    again.position = report.position
+    return _settled(again, NOT_REPLAYED, "the gradient reaching the model's output was already non-finite: the fault "
+                    "is in the loss computed from the outputs, outside the model (nothing inside it to replay)")
