@@ -14,7 +14,8 @@ mid-size model's step is launch-bound, so the monitor's ops *are* its cost there
   level, twice: as the CPU reduces (tensors above 4K elements one by one: on a CPU that is faster per element)
   and as an accelerator reduces (``windows.accelerator_path()``: every window through the multi-tensor ops).
 * Host cost. A tiny T5 (d_model 32, d_ff 64, 4+4 layers, 2 heads, d_kv 16, vocab 128, batch 1, 8/8 tokens, SGD,
-  one thread), where compute is negligible: the CPU picture of a launch-bound GPU step. Bare, each level,
+  one thread), where compute is negligible: the CPU picture of a launch-bound GPU step. Bare, each level (the
+  default ``watch="boundaries"``, and ``watch="every-module"`` -- the default before issue 21 -- at each ``grads``),
   transformers' ``DebugUnderflowOverflow``, and two floors (a no-op forward hook on every module; one
   ``aminmax`` per module output), interleaved round-robin, thread CPU time (a busy machine inflates wall time,
   not this). Reported as the median ratio to the bare step and microseconds per hooked module per step.
@@ -43,6 +44,21 @@ except ImportError:  # a torchdoctor from before the windows: one path, the same
 from torchdoctor.syncs import OpCounter
 
 LEVELS = ("none", "params", "modules")
+# monitor variants: name -> NumericsMonitor options (a tree from before issue 21 has no watch=: every module)
+MONITORS = {
+    "boundaries, params": {"watch": "boundaries", "grads": "params"},  # the default
+    "boundaries, modules": {"watch": "boundaries", "grads": "modules"},
+    "every-module, none": {"watch": "every-module", "grads": "none"},
+    "every-module, params": {"watch": "every-module", "grads": "params"},
+    "every-module, modules": {"watch": "every-module", "grads": "modules"},
+}
+
+
+def monitor(model, opt, options: dict):
+    try:
+        return NumericsMonitor(model, optimizer=opt, **options)
+    except TypeError:  # no watch= in this tree
+        return NumericsMonitor(model, optimizer=opt, grads=options["grads"])
 
 
 def t5(d_model, d_ff, layers, heads, d_kv, vocab, gated) -> torch.nn.Module:
@@ -66,8 +82,11 @@ class Variant:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         self.times: list[float] = []
         self.monitor = None
-        if name in LEVELS:
-            self.monitor = NumericsMonitor(self.model, optimizer=self.opt, grads=name)
+        if name in LEVELS:  # (the op counts: every module, as the ceilings of tests/test_monitor_ops.py)
+            self.monitor = monitor(self.model, self.opt, {"watch": "every-module", "grads": name})
+            self.monitor.__enter__()
+        elif name in MONITORS:
+            self.monitor = monitor(self.model, self.opt, MONITORS[name])
             self.monitor.__enter__()
         elif name == "transformers":
             DebugUnderflowOverflow(self.model)
@@ -97,7 +116,7 @@ def _aminmax_hook(module, args, output):
 
 def count_ops(base, batch, accelerator: bool) -> dict:
     rows = {}
-    for name in ("bare", *LEVELS):
+    for name in ("bare", *LEVELS, "boundaries, params"):
         v = Variant(name, base)
         with accelerator_path() if accelerator else contextlib.nullcontext():
             v.step(batch)
@@ -116,7 +135,7 @@ def host_cost(reps: int, steps: int) -> dict:
     base = t5(32, 64, 4, 2, 16, 128, gated=False)
     batch = batch_of(128, 1, 8, 8)
     modules = sum(1 for _ in base.modules())
-    names = ["bare", *LEVELS, "transformers", "no-op hook", "aminmax per output"]
+    names = ["bare", *MONITORS, "transformers", "no-op hook", "aminmax per output"]
     variants = [Variant(n, base) for n in names]
     for v in variants:
         for _ in range(5):
@@ -154,12 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     res = {"torch": torch.__version__, "ops_modules": modules,
            "ops_cpu": count_ops(base, batch, accelerator=False),
            "ops_accelerator": count_ops(base, batch, accelerator=True)}
-    print(f"dispatched ops per training step, T5 4+4 d_model 256, batch 4, 32/16 tokens, SGD ({modules} modules)")
-    print(f"{'level':10} {'CPU path: extra ops':>20} {'accelerator path: extra ops':>28} {'extra syncs':>12}")
-    for name in ("bare", *LEVELS):
+    print(f"dispatched ops per training step, T5 4+4 d_model 256, batch 4, 32/16 tokens, SGD ({modules} modules), "
+          "every module watched")
+    print(f"{'level':20} {'CPU path: extra ops':>20} {'accelerator path: extra ops':>28} {'extra syncs':>12}")
+    for name in ("bare", *LEVELS, "boundaries, params"):
         c, a = res["ops_cpu"][name], res["ops_accelerator"][name]
         shown = f"{c['ops']} (bare)" if name == "bare" else f"+{c['extra_ops']}"
-        print(f"{name:10} {shown:>20} {'' if name == 'bare' else '+' + str(a['extra_ops']):>28} "
+        label = name if name in ("bare", "boundaries, params") else f"every-module, {name}"
+        print(f"{label:20} {shown:>20} {'' if name == 'bare' else '+' + str(a['extra_ops']):>28} "
               f"{'' if name == 'bare' else a['extra_syncs']:>12}")
     if not args.ops:
         print("\nhost cost, tiny T5 (d_model 32, 4+4 layers, batch 1, 8/8 tokens, SGD, one thread), thread CPU time")

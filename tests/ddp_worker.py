@@ -1,6 +1,8 @@
 """Run under torchrun (gloo): DDP training where rank 1 alone gets a non-finite input at step 2
-(mode "train"; "accelerate": the same through accelerate's prepare() and backward()), or a nan in an
-evaluation forward under no_grad after step 1 (mode "eval").
+(mode "train"; "accelerate": the same through accelerate's prepare() and backward()), a nan in an
+evaluation forward under no_grad after step 1 (mode "eval"), or, at step 2 on rank 1 alone, a batch whose
+backward goes inf in a parameter-free module (mode "backward": sqrt'(0); every rank's gradients are inf after
+DDP's all-reduce).
 
 Writes result-rank<r>.json (what its monitor reported) into the report folder; used by tests/test_ddp.py.
 """
@@ -18,11 +20,18 @@ from conftest import leave_worker
 from torchdoctor import NonFiniteError, NumericsMonitor
 
 
+class SqrtAbs(torch.nn.Module):
+    def forward(self, x):
+        return x.abs().sqrt()
+
+
 def main(report_dir: str, mode: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    if mode == "backward":  # no bias: a row of zeros stays a row of zeros whatever the updates
+        model[0], model[1] = torch.nn.Linear(8, 16, bias=False), SqrtAbs()
     backward = torch.Tensor.backward
     if mode == "accelerate":  # accelerate's own DDP wrapper and AcceleratedOptimizer, as users write it
         from accelerate import Accelerator
@@ -41,6 +50,8 @@ def main(report_dir: str, mode: str) -> None:
                 x = torch.randn(4, 8)
                 if mode in ("train", "accelerate") and rank == 1 and step == 2:
                     x[0, 3] = float("inf")
+                if mode == "backward" and rank == 1 and step == 2:
+                    x[0] = 0.0  # its hidden row is 0: sqrt's derivative there is inf
                 before = [p.detach().clone() for p in model.parameters()]
                 backward(ddp(x).pow(2).mean())
                 opt.step()
@@ -49,7 +60,8 @@ def main(report_dir: str, mode: str) -> None:
                     with torch.no_grad():
                         ddp(torch.full((2, 8), float("nan") if rank == 1 else 1.0))
     except NonFiniteError as e:
-        result["error"] = {"first": e.first.to_json() if e.first else None, "report": e.report}
+        result["error"] = {"first": e.first.to_json() if e.first else None, "report": e.report,
+                           "replay": e.details.replay, "bad_ranks": e.details.bad_ranks}
     result["steps"] = mon.step_index
     result["identical"] = before is not None and all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     with open(os.path.join(report_dir, f"result-rank{rank}.json"), "w") as fh:  # stdout would interleave

@@ -33,6 +33,21 @@ def test_ddp_two_ranks_stop_together_and_name_the_bad_rank(tmp_path):
         assert (tmp_path / f"torchdoctor-nonfinite-rank{rank}.json").exists()
 
 
+def test_ddp_a_backward_fault_on_one_rank_is_named_there_by_every_rank(tmp_path):
+    """Rank 1's batch makes sqrt's backward inf; after DDP's all-reduce both ranks hold inf gradients. Each replays
+    its own micro-batch: rank 1's reproduces and names the module, rank 0's does not -- so rank 0 names rank 1
+    (not itself, and not a transient of its own device)."""
+    results = run_workers(tmp_path, "backward")
+    bad, good = results[1], results[0]
+    assert (bad["error"]["first"]["phase"], bad["error"]["first"]["module"], bad["error"]["first"]["slot"]) == (
+        "bwd", "1", "grad_input")
+    assert bad["error"]["replay"] == "reproduced" and bad["error"]["bad_ranks"] == []
+    assert good["error"]["bad_ranks"] == [1] and "rank(s) [1]" in good["error"]["report"]
+    assert "transient" not in good["error"]["report"].split("Replay:")[0]
+    assert bad["steps"] == good["steps"] == 2
+    assert bad["identical"] and good["identical"]
+
+
 def test_ddp_a_bad_evaluation_forward_on_one_rank_stops_both_at_the_next_step(tmp_path):
     results = run_workers(tmp_path, "eval")
     bad, good = results[1], results[0]

@@ -107,14 +107,14 @@ class GrowthTrail:
     def __init__(self, size: int = GROWTH_STEPS) -> None:
         self._peaks: deque[tuple[int, torch.Tensor]] = deque(maxlen=size)
 
-    def add(self, step: int, stacked: dict) -> None:
-        """``stacked``: the judged groups (:meth:`~.windows.StatBuffer.judged_stacks`: abs min, abs max
-        interleaved) of a step judged finite, so every value is. Two tiny device ops per group, no host sync."""
+    def add(self, step: int, group_peaks: dict) -> None:
+        """``group_peaks``: (judged, device, dtype) -> the largest value of that group's statistics (0-d, on its
+        device) of a step judged finite, so every value is. A tiny device op per group, no host sync."""
         peaks = []
-        for (judged, _device, dtype), values in stacked.items():
-            if not judged or not dtype.is_floating_point or values.numel() < 2:
+        for (judged, _device, dtype), value in group_peaks.items():
+            if not judged or not dtype.is_floating_point:
                 continue
-            peaks.append(values[1::2].amax().float())
+            peaks.append(value.float())
         if peaks:
             # groups on several devices: gather on an accelerator if there is one, without waiting (as
             # stats.all_finite does: a copy *to* the CPU would block until the device caught up)

@@ -202,6 +202,27 @@ def _data(frames: list[ResolvedFrame], index: int, got: ModelInput, consumer_lin
     return Diagnosis(causes.BAD_INPUT, text, fix=fix, evidence=evidence)
 
 
+def consumer_of(frames: list[ResolvedFrame], index: int) -> ResolvedFrame | None:
+    """:func:`backward_consumer`, or, when no later module took that very tensor, the next module of the parent's
+    forward whose input holds the same values (dtype, abs min and abs max): the output reached it as another
+    tensor -- a view, or a copy an engine made (ZeRO-3 hands every module fresh input tensors) -- so that module's
+    backward made the gradient, not plain code between the two."""
+    found = backward_consumer(frames, index)
+    if found is not None:
+        return found
+    between = code_between(frames, index)
+    if between is None or between[1] is None:
+        return None
+    bad, nxt = frames[index], between[1]
+    made = next((ln for f in frames[:index] if f.step == bad.step and f.phase == FWD and f.name == bad.name
+                 for ln in f.lines if ln.ref == bad.source_ref and ln.label.startswith("output")), None)
+    if made is None or made.abs_max is None or not math.isfinite(made.abs_max):
+        return None
+    same = any(ln.label.startswith("input") and ln.dtype == made.dtype and ln.abs_min == made.abs_min
+               and ln.abs_max == made.abs_max for ln in nxt.lines)
+    return nxt if same else None
+
+
 def code_between(frames: list[ResolvedFrame], index: int) -> tuple[ResolvedFrame, ResolvedFrame | None] | None:
     """The gradient of a module's output measured at ``frames[index]`` went bad while no watched module took that
     output as its input (:func:`backward_consumer` found none): the forward of its parent used it in plain code.
@@ -520,7 +541,7 @@ def _backward(frames: list[ResolvedFrame], index: int, line: Line, what: str, se
     fp16, bf16 = _low_precision_words(frames, frame.step)
     fp16 = fp16 or narrow_range(line.dtype)
     bf16 = bf16 or line.dtype == torch.bfloat16
-    consumer = None if line.label.startswith("grad:") else backward_consumer(frames, index)
+    consumer = None if line.label.startswith("grad:") else consumer_of(frames, index)
     evidence = (Evidence.of(frame, line),)
     between = None if consumer is not None or line.label.startswith("grad:") else code_between(frames, index)
     if between is not None:  # the gradient of a module's output, which no watched module took as its input

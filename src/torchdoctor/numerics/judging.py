@@ -23,12 +23,22 @@ from .errors import NonFiniteWarning
 from .frames import BWD, FWD, ModuleInfo, ResolvedFrame, measure_now, resolve
 from .loss_warning import as_warning, loss_name, only_the_loss, user_stacklevel
 from .render import who
-from .replay import localize
+from .replay import NOT_REPRODUCED, localize
 from .report import FirstNonFinite, NonFiniteReport, build_report, find_first_bad
 from .scalers import OverflowEvent
 from .stats import all_finite, finite_flags_of
 from .step import StepRecord
-from .verdict import BACKWARD, FORWARD, NO_BAD, UNKNOWN_GRADIENT, first_bad_code, origin_ranks, phase_of, share_verdict
+from .verdict import (
+    BACKWARD,
+    FORWARD,
+    NO_BAD,
+    NOT_REPRODUCED_OFFSET,
+    UNKNOWN_GRADIENT,
+    first_bad_code,
+    origin_ranks,
+    phase_of,
+    share_verdict,
+)
 
 if TYPE_CHECKING:
     from .engines import Engine
@@ -107,7 +117,10 @@ class Judging:
         if report is None:  # this rank's own flags were bad, but no value it can name (gradients gone)
             return None, first_bad_code(UNKNOWN_GRADIENT, 0) if self._self_bad else NO_BAD
         phase = BACKWARD if report.first is not None and report.first.phase == BWD else FORWARD
-        return report, first_bad_code(phase, report.position)
+        # a fault this rank's replay did not reproduce comes after any another rank's replay did (under DDP every
+        # rank's gradients are bad after the reduction: the rank whose own backward made it is the origin)
+        late = NOT_REPRODUCED_OFFSET if report.replay == NOT_REPRODUCED else 0
+        return report, first_bad_code(phase, report.position + late)
 
     def _handle_nonfinite(self, step: int, source: str, check_grads: bool) -> None:
         self._judged_frames = None
@@ -238,7 +251,7 @@ class Judging:
         self._consecutive_overflows += 1
         where = f" starting in {event.module} ({event.slot})" if event.module else ""
         log.info("gradient overflow at step %d (loss scale %s)%s: step skipped", step, scale, where)
-        if self.grads == "params" and self.auto_localize:
+        if self.grads == "params" and self.auto_localize and self._live_default:  # (a replay localizes anyway)
             self.grads = "modules"
             self._growth.clear()  # from now on the steps' peaks include (scaled) module gradients: not comparable
             log.info("switching to grads='modules' to localize the next gradient overflow")

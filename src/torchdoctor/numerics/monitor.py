@@ -163,8 +163,9 @@ class NumericsMonitor(Recording, Stepping, Judging):
         report_dir (str, optional): where ``torchdoctor-nonfinite-rank<r>.txt`` / ``.json`` are written (default:
             ``$TORCHDOCTOR_REPORT_DIR``, the folder ``torchdoctor run`` gives the processes it starts, else the
             current directory).
-        auto_localize (bool): after a gradient overflow seen at ``"params"`` level, switch to
-            ``"modules"`` so the next one is localized. Defaults to True.
+        auto_localize (bool): with every module watched, after a gradient overflow seen at ``"params"`` level,
+            switch to ``"modules"`` so the next one is localized (at the boundaries each one is replayed).
+            Defaults to True.
         sync_ranks (bool, optional): under torch.distributed, share the step's verdict with one tiny
             all_reduce so that every rank stops together (default: when initialized with >1 rank).
         manual_steps (bool): steps end only at :meth:`step`, from the very first one (otherwise that

@@ -128,17 +128,16 @@ class Recording:
                 slots += rec.call_slots(args, kwargs, output, now)
             rec.frames.append(Frame(self.step_index, FWD, info, slots, not at_forward, False, first))
         call = rec.root_calls[-1] if rec.root_calls and not self._rerunning else None
-        if call is not None and (call.module is not module or not (info.is_root or id(module) in self._entries)):
-            call = None
+        if call is not None and not (info.is_root or (id(module) in self._entries and call.module is module)):
+            call = None  # (the model's call, or an entry's: a compiled model's call was kept by its outer module)
         if call is not None:
             forward_ended(call)
         if torch.is_grad_enabled():
+            kept = call is not None and self.grads != "none" and keep_output_grads(call, output, rec)  # (a replay)
             if self.grads == "modules":
                 self._hook_grads(info, output)
-            elif info.is_root:
+            elif info.is_root and not kept:  # (the kept gradient's hook notes a backward too)
                 self._hook_backward_seen(output)
-            if call is not None and self.grads != "none":
-                keep_output_grads(call, output)  # for a backward replay
 
     def _on_pre_forward_params(self, module: nn.Module, args: Any) -> None:
         """Engines that gather weights only for their module's forward (ZeRO-3): measure them as it starts.

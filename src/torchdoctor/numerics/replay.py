@@ -25,6 +25,7 @@ state computed finite values, a transient fault of the device or a kernel. A com
 from __future__ import annotations
 
 import contextlib
+import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,11 +36,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..units import human_bytes
+from . import causes
 from .buffers import saved_buffers
 from .diagnosis import backward_consumer
 from .frames import BWD, FWD, MARK, ResolvedFrame, measure_now
 from .report import NonFiniteReport, build_report
-from .slots import output_slots
+from .slots import labelled_outputs, output_slots
 from .step import StepRecord
 
 if TYPE_CHECKING:
@@ -54,7 +56,7 @@ REPRODUCED, NOT_REPRODUCED, NOT_REPLAYED = "reproduced", "not reproduced", "not 
 GRAD_BYTES_KEPT = 64 << 20
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RootCall:
     """One call of the model (a micro-batch): what replaying it needs, kept until its step is checked."""
 
@@ -113,8 +115,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None, start: int, cuda
     """What a replay of this call will need, taken as the model's forward begins (references and a few small
     states: the CPU generator's 5 KB, 16 bytes per GPU)."""
     cuda = {d: torch.cuda.get_rng_state(d) for d in cuda_devices}
-    return RootCall(model, args, dict(kwargs or {}), start, torch.get_rng_state(), cuda, _autocast_now(),
-                    model.training, _versions(_input_tensors(args, kwargs)), model.__dict__.get("forward"))
+    return RootCall(model, args, kwargs if kwargs is not None else {}, start, torch.get_rng_state(), cuda,
+                    _autocast_now(), model.training, _versions(_input_tensors(args, kwargs)),
+                    model.__dict__.get("forward"))
 
 
 def forward_ended(call: RootCall) -> None:
@@ -123,22 +126,25 @@ def forward_ended(call: RootCall) -> None:
     call.changed_in_forward = any(t._version != v for t, v in call.versions)
 
 
-def keep_output_grads(call: RootCall, output: Any) -> None:
+def keep_output_grads(call: RootCall, output: Any, rec: Any) -> bool:
     """Keep the gradient the model's output receives, for a backward replay: a 0-d output (the loss the model
-    computed) is enough and small; otherwise every differentiable output, up to :data:`GRAD_BYTES_KEPT` in all."""
-    outs = [(label, v) for label, v in output_slots(output) if isinstance(v, torch.Tensor) and v.requires_grad]
+    computed) is enough and small; otherwise every differentiable output, up to :data:`GRAD_BYTES_KEPT` in all.
+    The hook also notes in ``rec`` (the step's record) that a backward ran. Whether any output was hooked."""
+    outs = [(label, v) for label, v in labelled_outputs(output) if isinstance(v, torch.Tensor) and v.requires_grad]
     losses = [(label, v) for label, v in outs if v.dim() == 0]
     for label, v in losses or outs:
-        v.register_hook(_Keeper(call, label))
+        v.register_hook(_Keeper(call, label, rec))
+    return bool(outs)
 
 
 class _Keeper:
-    __slots__ = ("call", "label")
+    __slots__ = ("call", "label", "rec")
 
-    def __init__(self, call: RootCall, label: str) -> None:
-        self.call, self.label = call, label
+    def __init__(self, call: RootCall, label: str, rec: Any) -> None:
+        self.call, self.label, self.rec = call, label, rec
 
     def __call__(self, grad: torch.Tensor) -> None:
+        self.rec.backward_ran = True
         call = self.call
         size = grad.numel() * grad.element_size()
         if call.grad_bytes + size > GRAD_BYTES_KEPT:
@@ -308,8 +314,6 @@ def _unreplayed(mon: NumericsMonitor, report: NonFiniteReport, coarse: bool, rea
     """A step that could not be replayed. ``coarse``: it was checked at its boundaries, so say what its frames show
     (the model's output, a parameter gradient) and no more -- no module inside the model was watched, so none is
     claimed finite."""
-    from . import causes  # (report-time only)
-
     report.notes.append(f"Not replayed: {reason}.")
     first = report.first
     if coarse and first is not None and first.phase == FWD:
@@ -390,8 +394,7 @@ def localize(mon: NumericsMonitor, rec: StepRecord, report: NonFiniteReport, fra
         if again is None:
             continue
         again.position = position  # ranks compare where the value went bad in the step they all ran
-        again.notes.append(_replayed_note(mon, report, frames[start + position], compiled, len(calls), calls,
-                                          call))
+        again.notes.append(_replayed_note(report, again, frames[start + position], compiled, calls, call))
         return _settled(again, REPRODUCED)
     return _not_reproduced(mon, report, compiled, backward)
 
@@ -418,17 +421,19 @@ def replay_failed_forward(mon: NumericsMonitor, call: RootCall, context: list[Re
     return report
 
 
-def _replayed_note(mon: NumericsMonitor, report: NonFiniteReport, bad: ResolvedFrame, compiled: bool, n: int,
+def _replayed_note(checked: NonFiniteReport, replayed: NonFiniteReport, bad: ResolvedFrame, compiled: bool,
                    calls: list[RootCall], call: RootCall) -> str:
-    which = f"micro-batch {calls.index(call) + 1} of {n}" if n > 1 else "this micro-batch"
+    """What the replayed report says of where its frames come from (``checked``: what the step's check saw)."""
+    which = f"micro-batch {calls.index(call) + 1} of {len(calls)}" if len(calls) > 1 else "this micro-batch"
     if compiled:
         return ("The model is compiled (torch.compile): these frames come from an eager replay of "
                 f"{which} on the same inputs (RNG state restored), after the compiled run went non-finite"
-                + (f" at {report.first.module or report.first.cls}'s edge." if bad.boundary else "."))
+                + (f" at {checked.first.module or checked.first.cls}'s edge." if bad.boundary else "."))
     return (f"Replayed: the step was checked at its boundaries (the model's outputs and the parameter gradients); "
             f"{which} was run again on the same inputs, RNG state and autocast with every module watched, and the "
-            "fault reproduced -- so it comes from the data or the model, and the fix above applies. Frames of "
-            "earlier steps show the model's calls only.")
+            "fault reproduced -- so it comes from the data or the model, and the fix above applies."
+            + (" Frames of earlier steps show the model's calls only (watch='every-module' records every module)."
+               if any(f.step != replayed.step for f in replayed.frames) else ""))
 
 
 def _not_reproduced(mon: NumericsMonitor, report: NonFiniteReport, compiled: bool, backward: bool) -> NonFiniteReport:
@@ -439,14 +444,22 @@ def _not_reproduced(mon: NumericsMonitor, report: NonFiniteReport, compiled: boo
             "(or drew other dropout masks). Run this step without torch.compile to see inside."
         )
         return _settled(report, NOT_REPRODUCED, "the eager replay of the compiled model stayed finite")
-    from . import causes  # (report-time only)
-
     where = device_of(mon)
-    report.diagnosis = (
-        f"the step went non-finite ({'in the backward' if backward else 'in the forward'}), but replaying it on the "
-        "same inputs, RNG state and autocast computed finite values: the fault did not reproduce, so it is not the "
-        f"data or the model but a transient fault of the device or a kernel{where}."
-    )
+    if backward:
+        report.diagnosis = (
+            "the step's gradients went non-finite, but replaying the model's calls on the same inputs, RNG state and "
+            "autocast, from the gradients their outputs received, computed finite ones: the fault did not reproduce. "
+            f"Either a transient fault of the device or a kernel{where}, or a gradient that did not come through "
+            "the model's calls (a loss term computed from the parameters themselves, a module called outside the "
+            "model's forward): those are the places to look if it comes back on other devices."
+        )
+    else:
+        report.diagnosis = (
+            "the model's output went non-finite, but replaying its call on the same inputs, RNG state and autocast "
+            "computed finite values: the fault did not reproduce, so it is not the data or the model but a transient "
+            f"fault of the device or a kernel{where} (or Python state the forward reads that changed since: a "
+            "counter, a flag)."
+        )
     report.fix = (
         "check the device: on a GPU, nvidia-smi -q -d ECC,ROW_REMAPPER (uncorrectable errors, remapped rows) and "
         "dcgmi diag -r 3 (or NVIDIA's field diagnostic), and look for Xid errors in the kernel log (dmesg | grep -i "
@@ -454,6 +467,10 @@ def _not_reproduced(mon: NumericsMonitor, report: NonFiniteReport, compiled: boo
         "the same device, take that device out of the job. "
         + mon._setup().option("transient", "skip") + " skips such a step and goes on (counted in monitor.transients)."
     )
+    if backward and mon._world > 1:
+        report.diagnosis += (" With several ranks the gradient reduction brings a non-finite gradient to every rank, "
+                             "and no rank's replay reproduced it: the device that faulted is one of the ranks', and "
+                             "from the gradients alone which one cannot be told.")
     report.cause = causes.TRANSIENT
     report.fp32_region = None
     report.evidence = ()
@@ -463,8 +480,6 @@ def _not_reproduced(mon: NumericsMonitor, report: NonFiniteReport, compiled: boo
 
 def device_of(mon: NumericsMonitor) -> str:
     """' (rank R, host H, device D)' for a transient fault's report."""
-    import socket
-
     parts = []
     if mon.rank is not None:
         parts.append(f"rank {mon.rank}")

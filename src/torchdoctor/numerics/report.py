@@ -21,6 +21,7 @@ from .diagnosis import (
     backward_consumer,
     code_between,
     common_region,
+    consumer_of,
     diagnose,
     keep_fp32_fix,
 )
@@ -196,7 +197,7 @@ def build_report(
     why = diagnose(frames, index, line, judge_params, trail, setup)
     value = "nan" if math.isnan(line.abs_max) else "inf"
     module_grad = frame.phase == BWD and not line.label.startswith("grad:")
-    consumer = backward_consumer(frames, index) if module_grad else None
+    consumer = consumer_of(frames, index) if module_grad else None
     between = code_between(frames, index) if module_grad and consumer is None else None
     if consumer is not None:
         first = FirstNonFinite(frame.step, BWD, consumer.name, consumer.cls, "grad_input", value)

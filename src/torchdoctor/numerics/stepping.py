@@ -170,7 +170,10 @@ class Stepping:
         judged = rec.buffer.judged_stacks()  # activations, module-level and engine-collected gradients
         if rec.buffer.changed:
             rec.measure_changed_at_once()
-        act_ok = all_finite([torch.isfinite(v).all() for v in judged.values()])
+        # each group's largest value (its statistics are abs values: a nan or inf anywhere is the max): the step's
+        # flag, and on a healthy step the divergence trail's peak, from one reduction per group
+        peaks = {key: v.amax() for key, v in judged.items() if v.numel()}
+        act_ok = all_finite([torch.isfinite(p) for p in peaks.values()])
         if self._deferred_report is not None:
             act_ok = torch.zeros((), dtype=torch.bool)
         # nothing ran since a reported step: gradients still there are that step's (its zero_grad() was skipped)
@@ -186,7 +189,7 @@ class Stepping:
             self._trace(step)
         if ok:
             self._consecutive_overflows = 0
-            self._growth.add(step, judged)  # a few device ops, read only when a report is built
+            self._growth.add(step, peaks)  # a few device ops, read only when a report is built
         else:
             self._handle_nonfinite(step, source, check_grads)
         self._rotate(advance)

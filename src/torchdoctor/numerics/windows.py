@@ -328,6 +328,11 @@ CPU_WINDOW_MAX_ELEMENTS = 1 << 12
 _cpu_stacks = [True]  # CPU windows stack tensors of one shape (see accelerator_path)
 
 
+def cpu_paths() -> bool:
+    """Does a CPU take its own (faster there) ways, not an accelerator's (:func:`accelerator_path` off)?"""
+    return _cpu_stacks[0]
+
+
 def fits_window(t: torch.Tensor) -> bool:
     """Would a window take ``t`` as the monitor gives it one (a plain strided non-empty float tensor within its
     device's limit)? A forward call waits to be labelled only if all its tensors do (``StepRecord.defer``)."""

@@ -18,6 +18,7 @@ optimizer. DeepSpeed has its own adapter (:mod:`.deepspeed`).
 from __future__ import annotations
 
 import logging
+import operator
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -26,13 +27,15 @@ import torch
 from torch import nn
 
 from ..scalers import LossScaler
-from ..stats import finite_flags_of
+from ..stats import FLAT_ELEMENTS, finite_flags_of, flatten_dense
+from ..windows import cpu_paths
 from ..wrappers import clean_name, named_user_modules, unwrap_model, user_class_name
 
 if TYPE_CHECKING:
     from ..monitor import NumericsMonitor
 
 log = logging.getLogger("torchdoctor.numerics")
+_grad = operator.attrgetter("grad")
 
 
 def eager(fn: Any) -> Any:
@@ -66,6 +69,8 @@ class Engine:
     grads_at_report = True  # parameter gradients (p.grad) still exist when the step is checked
 
     def __init__(self, model: nn.Module, optimizer: Any, scaler: Any) -> None:
+        self._flat_for: list | None = None  # the parameter list _flat_plan decided for
+        self._flat = False
         self.root = unwrap_model(model)
         self.warnings: list[str] = []
         self.optimizer = self._hookable(optimizer)
@@ -126,7 +131,23 @@ class Engine:
     def grad_flags(self, params: list[nn.Parameter], exact: bool = True) -> list[torch.Tensor]:
         """On-device "finite" flags of the gradients the optimizer is about to apply (this rank's part);
         ``exact=False``: the fast check of :func:`~..stats.finite_flags_of`, confirmed when it says no."""
-        return finite_flags_of([p.grad for p in params if p.grad is not None], exact=exact)
+        grads = [g for g in map(_grad, params) if g is not None]
+        if not exact and grads and cpu_paths() and self._flat_plan(params):
+            try:  # every parameter a small plain fp32 CPU tensor: one flattened copy, one sum, no check per tensor
+                return [torch.isfinite(flatten_dense(grads).sum())]
+            except (RuntimeError, TypeError):  # a gradient of another kind after all (sparse): the general way
+                pass
+        return finite_flags_of(grads, exact=exact)
+
+    def _flat_plan(self, params: list[nn.Parameter]) -> bool:
+        """Decided once per parameter list: are they all plain dense fp32 CPU tensors, :data:`~..stats.FLAT_ELEMENTS`
+        in all at most?"""
+        if self._flat_for is not params:
+            self._flat_for = params
+            self._flat = sum(p.numel() for p in params) <= FLAT_ELEMENTS and all(
+                p.device.type == "cpu" and p.dtype is torch.float32 and p.layout is torch.strided
+                and type(p.data) is torch.Tensor for p in params)
+        return self._flat
 
     # ------------------------------------------------------------------ loss scaling
     def loss_scaler(self, scaler: Any) -> LossScaler | None:
