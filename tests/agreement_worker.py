@@ -7,6 +7,8 @@
   compiled-collective  a compiled block whose forward all-reduces (an MoE router's load counts); its output goes
                        inf on rank 1: the eager re-run must stop before the collective, both ranks raise
   attach-nan           FSDP2 with a nan in rank 1's shard of one weight: both ranks refuse at attach
+  weight-inf           FSDP2; after a clean step an inf lands in rank 1's shard of one weight: every rank's forward
+                       goes inf at that module (the weight is gathered), and every rank names rank 1's weight
   eval-one-rank        DDP without the optimizer passed (steps end at forwards); rank 0 alone evaluates under
                        no_grad after each step, and its second evaluation holds a nan: no hang, both stop
 Each rank writes ``<MODE>-rank<r>.json``. Used by tests/test_rank_agreement.py.
@@ -106,6 +108,31 @@ def attach_run(rank: int, out: str) -> dict:
         return {"error": {"first": e.first.to_json() if e.first else None, "bad_ranks": e.details.bad_ranks}}
 
 
+def weight_run(rank: int, out: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    result: dict = {"error": None}
+    with NumericsMonitor(model, optimizer=opt, report_dir=out) as mon:
+        try:
+            for step in range(3):
+                if step == 1 and rank == 1:
+                    with torch.no_grad():
+                        model[2].weight.to_local()[0, 0] = float("inf")  # only in rank 1's shard
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        except NonFiniteError as e:
+            result["error"] = {"first": e.first.to_json() if e.first else None, "bad_ranks": e.details.bad_ranks,
+                               "cause": e.details.cause, "diagnosis": e.details.diagnosis}
+        result["steps"] = mon.step_index
+    return result
+
+
 def eval_run(rank: int, out: str) -> dict:
     torch.manual_seed(0)
     ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)))
@@ -135,6 +162,8 @@ def main(out: str, mode: str) -> None:
         result = collective_run(rank, out)
     elif mode == "eval-one-rank":
         result = eval_run(rank, out)
+    elif mode == "weight-inf":
+        result = weight_run(rank, out)
     else:
         result = attach_run(rank, out)
     with open(os.path.join(out, f"{mode}-rank{rank}.json"), "w") as fh:

@@ -46,6 +46,17 @@ def test_sharded_weights_broken_on_one_rank_are_refused_on_every_rank(tmp_path):
     assert r[0]["error"]["first"] is None and r[0]["error"]["bad_ranks"] == [1]
 
 
+def test_an_inf_in_one_ranks_weight_shard_is_named_by_every_rank(tmp_path):
+    """FSDP2 gathers the weight for the forward, so every rank's output goes inf at the same module: the rank whose
+    own shard holds the inf is the origin, and the other names it (not a generic overflow of its own)."""
+    r = run(tmp_path, "weight-inf")
+    assert (r[1]["error"]["first"]["module"], r[1]["error"]["cause"]) == ("2", "numerics.bad_weight")
+    assert r[1]["error"]["bad_ranks"] == []
+    assert r[0]["error"]["bad_ranks"] == [1] and r[0]["error"]["cause"] == "numerics.other_rank"
+    assert "rank(s) [1]" in r[0]["error"]["diagnosis"] and "fp32's range" not in r[0]["error"]["diagnosis"]
+    assert r[0]["steps"] == r[1]["steps"] == 1
+
+
 def test_one_ranks_own_evaluation_needs_no_collective(tmp_path):
     r = run(tmp_path, "eval-one-rank")
     assert r[0]["error"]["first"]["phase"] == "fwd" and r[0]["error"]["bad_ranks"] == []

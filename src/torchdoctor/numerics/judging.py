@@ -120,7 +120,10 @@ class Judging:
         # a fault this rank's replay did not reproduce comes after any another rank's replay did (under DDP every
         # rank's gradients are bad after the reduction: the rank whose own backward made it is the origin)
         late = NOT_REPRODUCED_OFFSET if report.replay == NOT_REPRODUCED else 0
-        return report, first_bad_code(phase, report.position + late)
+        # at one position, a rank whose own weight (shard) is bad comes first: FSDP gathers a weight for the forward,
+        # so every rank's output goes bad at that module, and only the rank holding the bad shard made it
+        own_weight = report.cause == causes.BAD_WEIGHT
+        return report, first_bad_code(phase, 2 * (report.position + late) + (0 if own_weight else 1))
 
     def _handle_nonfinite(self, step: int, source: str, check_grads: bool) -> None:
         self._judged_frames = None
@@ -237,8 +240,9 @@ class Judging:
         else:
             report.diagnosis = (
                 f"this rank's values were finite until {who(first.module, first.cls)} {first.slot}; rank(s) "
-                f"{others} went non-finite earlier in this step, and the value reached this rank through a "
-                f"collective inside the forward (tensor parallel). See the report of rank {others[0]}."
+                f"{others} went non-finite earlier in this step (or hold the bad weight), and the value reached this "
+                f"rank through a collective inside the forward (a weight FSDP gathers, a tensor-parallel all-reduce). "
+                f"See the report of rank {others[0]}."
             )
         report.fix = report.fp32_region = None
         report.cause = causes.OTHER_RANK

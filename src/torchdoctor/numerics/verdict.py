@@ -42,7 +42,7 @@ def share_verdict(act_ok: torch.Tensor | None, grad_ok: torch.Tensor | None) -> 
 
 
 FORWARD, BACKWARD, UNKNOWN_GRADIENT = 0, 1, 2  # phases of a first bad value, in the order they happen
-NOT_REPRODUCED_OFFSET = 2**39  # added to the position of a value this rank's replay did not reproduce
+NOT_REPRODUCED_OFFSET = 2**37  # added to the position of a value this rank's replay did not reproduce
 
 
 def first_bad_code(phase: int, position: int) -> int:
