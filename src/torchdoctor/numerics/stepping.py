@@ -173,17 +173,16 @@ class Stepping:
         # each group's largest value (its statistics are abs values: a nan or inf anywhere is the max): the step's
         # flag, and on a healthy step the divergence trail's peak, from one reduction per group
         peaks = {key: v.amax() for key, v in judged.items() if v.numel()}
-        act_ok = all_finite([torch.isfinite(p) for p in peaks.values()])
+        act_ok = [torch.isfinite(p) for p in peaks.values()]
         if self._deferred_report is not None:
-            act_ok = torch.zeros((), dtype=torch.bool)
+            act_ok = [torch.zeros((), dtype=torch.bool)]
         # nothing ran since a reported step: gradients still there are that step's (its zero_grad() was skipped)
         stale = rec.empty and self._just_reported
         check_grads = self.grads != "none" and not stale and (source != "forward" or rec.backward_ran)
         grad_flags = self._engine.grad_flags(self._params, exact=False) if check_grads else []
-        ok, self._self_bad = self._verdict(act_ok, all_finite(grad_flags + rec.stored_grad_flags()))
+        ok, self._self_bad = self._verdict(act_ok, grad_flags + rec.stored_grad_flags())
         if not ok and check_grads:  # the fast gradient check can overflow on huge finite values: ask exactly
-            exact = all_finite(self._engine.grad_flags(self._params) + rec.stored_grad_flags())
-            ok, self._self_bad = self._verdict(act_ok, exact)
+            ok, self._self_bad = self._verdict(act_ok, self._engine.grad_flags(self._params) + rec.stored_grad_flags())
         step = self.step_index
         if step in self.trace_steps:
             self._trace(step)
@@ -196,12 +195,12 @@ class Stepping:
         if abort_check and source != "skipped":
             self._check_abort_after(step)
 
-    def _verdict(self, act_ok: torch.Tensor | None, grad_ok: torch.Tensor | None) -> tuple[bool, bool]:
-        """(everything finite on every rank, this rank's own values were not). The one host read of a
-        healthy step."""
+    def _verdict(self, act_ok: list[torch.Tensor], grad_ok: list[torch.Tensor]) -> tuple[bool, bool]:
+        """(everything finite on every rank, this rank's own values were not), from the activations' and the
+        gradients' on-device flags. The one host read of a healthy step."""
         if self._sync_ranks:
-            return share_verdict(act_ok, grad_ok)
-        both = all_finite([f for f in (act_ok, grad_ok) if f is not None])
+            return share_verdict(all_finite(act_ok), all_finite(grad_ok))
+        both = all_finite(act_ok + grad_ok)  # (one stack for both)
         ok = True if both is None else bool(both.item())
         return ok, not ok
 
