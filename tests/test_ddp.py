@@ -48,6 +48,19 @@ def test_ddp_a_backward_fault_on_one_rank_is_named_there_by_every_rank(tmp_path)
     assert bad["identical"] and good["identical"]
 
 
+def test_ddp_a_transient_fault_on_one_rank_is_skipped_by_every_rank_alike(tmp_path):
+    """transient='skip' under DDP: rank 1's inf does not come back when replayed, rank 0's reduced gradients do not
+    reproduce on its own batch either -- no rank's replay reproduced, so every rank refuses that one step and the
+    run goes on to the end, the ranks' weights still equal."""
+    results = run_workers(tmp_path, "transient")
+    for rank in (0, 1):
+        assert results[rank]["error"] is None and results[rank]["steps"] == 5  # every try counts, the refused one too
+        assert results[rank]["ranks_agree"]
+    assert results[1]["transients"] == [[2, "not reproduced", []]]
+    assert results[0]["transients"] == [[2, "not reproduced", [1]]]
+    assert (tmp_path / "torchdoctor-transient-rank1.txt").exists()
+
+
 def test_ddp_a_bad_evaluation_forward_on_one_rank_stops_both_at_the_next_step(tmp_path):
     results = run_workers(tmp_path, "eval")
     bad, good = results[1], results[0]

@@ -35,6 +35,7 @@ from .verdict import (
     NOT_REPRODUCED_OFFSET,
     UNKNOWN_GRADIENT,
     first_bad_code,
+    not_reproduced,
     origin_ranks,
     phase_of,
     share_verdict,
@@ -172,13 +173,14 @@ class Judging:
             report.notes.append(
                 f"To see where the backward blow-up starts, run with {self._setup().option('grads', 'modules')}."
             )
-        if report.cause == causes.TRANSIENT and self.transient == "skip":
-            if self._optimizer_hooked() and not self._sync_ranks:
+        # under several ranks, decided from the shared code (no rank's replay reproduced), not this rank's own cause
+        transient = not_reproduced(earliest) if self._sync_ranks else report.cause == causes.TRANSIENT
+        if transient and self.transient == "skip":
+            if self._optimizer_hooked():
                 self._skip_transient(report)
                 return
-            report.notes.append("transient='skip' was asked, but " + (
-                "deciding it alike on every rank is not done yet: raised instead" if self._sync_ranks else
-                "the step is checked after its update (no optimizer given, or manual steps): raised instead"))
+            report.notes.append("transient='skip' was asked, but the step is checked after its update (no optimizer "
+                                "given, or manual steps): raised instead")
         self._raise(report)
 
     def _skip_transient(self, report: NonFiniteReport) -> None:

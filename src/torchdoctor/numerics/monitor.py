@@ -489,7 +489,7 @@ class NumericsMonitor(Recording, Stepping, Judging):
             open_step = not self._rec.empty or self._deferred_report is not None
             if exc_type is None and self._active and (open_step or self._sync_ranks):
                 self._at_exit = True
-                self._close_step("final")
+                self._close_step("final", advance=open_step)  # (an empty step shared under DDP: not counted)
         finally:
             self._at_exit = False
             self.close()

@@ -55,6 +55,13 @@ def phase_of(code: int) -> int | None:
     return None if code >= NO_BAD else code // 2**40
 
 
+def not_reproduced(code: int) -> bool:
+    """Is the earliest bad value of the step (``origin_ranks``'s code) one that its rank's replay did not reproduce?
+    A rank whose replay reproduced always comes earlier, so this is true only when no rank's replay reproduced
+    the fault: every rank then decides alike that the step was a transient."""
+    return phase_of(code) in (FORWARD, BACKWARD) and code % 2**40 >= 2 * NOT_REPRODUCED_OFFSET
+
+
 def origin_ranks(code: int) -> tuple[list[int], int]:
     """The ranks whose first non-finite value came earliest in the step, and that code (a collective; bad
     steps only). Every rank gets the same answer, so every rank decides the same way what to do next."""
