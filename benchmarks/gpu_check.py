@@ -133,7 +133,7 @@ def kernels_per_step(fn, device: torch.device) -> int | None:
 
 def fused_check_misses(device: torch.device) -> list[str]:
     """Cases where the fused gradient check on ``device`` disagrees with the truth (must be empty)."""
-    from torchdoctor.numerics.stats import finite_flags_of
+    from torchdoctor.numerics.measure.stats import finite_flags_of
 
     misses = []
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -207,7 +207,7 @@ def main() -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to measure (use --device cpu for a smoke run)")
         return 0
-    from torchdoctor.numerics.stats import finite_flags_of, fused_check_works
+    from torchdoctor.numerics.measure.stats import finite_flags_of, fused_check_works
 
     device = torch.device(args.device)
     result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}

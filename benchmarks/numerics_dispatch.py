@@ -38,7 +38,7 @@ from transformers.debug_utils import DebugUnderflowOverflow
 from torchdoctor import NumericsMonitor
 
 try:
-    from torchdoctor.numerics.windows import accelerator_path
+    from torchdoctor.numerics.measure.windows import accelerator_path
 except ImportError:  # a torchdoctor from before the windows: one path, the same on every device
     accelerator_path = contextlib.nullcontext
 from torchdoctor.syncs import OpCounter

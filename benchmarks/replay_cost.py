@@ -15,7 +15,7 @@ thread), AdamW, for batch sizes 1, 4 and 16:
   minus the healthy watched step's is what the replay cost;
 * the bytes kept for a backward replay per micro-batch: the model returning its own loss (``labels=``: the 0-d
   loss's gradient) and the model returning logits with the loss computed by the loop (the logits' gradient:
-  batch x tokens x vocab x 4 bytes), against ``replay.GRAD_BYTES_KEPT``.
+  batch x tokens x vocab x 4 bytes), against ``calls.GRAD_BYTES_KEPT``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from torchdoctor import NonFiniteError, NumericsMonitor
-from torchdoctor.numerics import replay
+from torchdoctor.numerics.record import calls
 
 VOCAB, TOKENS = 1024, 64
 
@@ -119,18 +119,18 @@ def kept_bytes(base: torch.nn.Module, ids: torch.Tensor, loss_outside: bool) -> 
     model = copy.deepcopy(base)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     seen = []
-    original = replay._Keeper.__call__
+    original = calls._Keeper.__call__
 
     def spy(self, grad):
         original(self, grad)
         seen.append(self.call.grad_bytes if self.call.dropped is None else -grad.numel() * grad.element_size())
 
-    replay._Keeper.__call__ = spy
+    calls._Keeper.__call__ = spy
     try:
         with NumericsMonitor(model, opt, report_dir="/tmp/torchdoctor-replay-cost"):
             step(model, opt, ids, loss_outside)
     finally:
-        replay._Keeper.__call__ = original
+        calls._Keeper.__call__ = original
     return seen[-1] if seen else 0
 
 
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['bad_fwd_ms'] / r['healthy_ms']:>6.2f}x {r['bad_bwd_ms']:>7.1f}ms "
               f"{r['bad_bwd_ms'] / r['healthy_ms']:>6.2f}x {r['kept_bytes_loss']:>10} B {shown:>14}")
     print(f"(kept: the gradient at the model's output held until the step is checked, bound "
-          f"{replay.GRAD_BYTES_KEPT / 2**20:.0f} MiB per micro-batch; 'not': above it, not kept)")
+          f"{calls.GRAD_BYTES_KEPT / 2**20:.0f} MiB per micro-batch; 'not': above it, not kept)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=2)

@@ -14,7 +14,7 @@ from torch import nn
 from conftest import boom_mlp, gpt2_batch, tiny_gpt2
 from torchdoctor import NonFiniteError, NumericsMonitor
 from torchdoctor.demo.model import build_demo, train_steps
-from torchdoctor.numerics import causes
+from torchdoctor.numerics.explain import causes
 
 pytestmark = pytest.mark.both_levels  # (conftest: once per watch level)
 

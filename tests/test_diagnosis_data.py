@@ -5,7 +5,7 @@ data in any micro-batch of a gradient-accumulation step, even when the module it
 the model and the value got there through plain code (GPT-2 adds position embeddings to ``inputs_embeds``
 before its first Dropout). "Plain code between modules" is left for a value that was finite when it entered.
 Real transformers models from configs (BERT regression, GPT-2, T5), real optimizers; every report is checked
-against its own frames (:func:`torchdoctor.numerics.evidence.contradictions`).
+against its own frames (:func:`torchdoctor.numerics.explain.evidence.contradictions`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from torch import nn
 
 from conftest import gpt2_batch, t5_batch, tiny_gpt2, tiny_t5
 from torchdoctor import NonFiniteError, NumericsMonitor
-from torchdoctor.numerics import causes
-from torchdoctor.numerics.evidence import contradictions
+from torchdoctor.numerics.explain import causes
+from torchdoctor.numerics.explain.evidence import contradictions
 
 pytestmark = pytest.mark.both_levels  # (conftest: once per watch level)
 

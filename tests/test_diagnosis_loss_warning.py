@@ -20,8 +20,9 @@ from torch import nn
 from conftest import boom_mlp
 from test_diagnosis_data import bert_batch, tiny_bert_regressor
 from torchdoctor import NonFiniteError, NumericsMonitor
-from torchdoctor.numerics import NonFiniteWarning, causes
-from torchdoctor.numerics.evidence import contradictions
+from torchdoctor.numerics import NonFiniteWarning
+from torchdoctor.numerics.explain import causes
+from torchdoctor.numerics.explain.evidence import contradictions
 
 pytestmark = pytest.mark.both_levels  # (conftest: once per watch level)
 

@@ -2,7 +2,7 @@
 
 Each test makes the situation its rule is for (real models, real optimizers, autocast), asserts the cause and
 what the text claims -- the numbers it quotes are the frames' own, the dtypes and modules it names are those of
-the frames -- and runs the general check :func:`~torchdoctor.numerics.evidence.contradictions` over the report.
+the frames -- and runs the general check :func:`~torchdoctor.numerics.explain.evidence.contradictions` over the report.
 The last tests make sure that check can fail: an "invalid operation from finite inputs" told about a frame whose
 input is above its compute dtype's range, a number no frame shows, an empty module name.
 """
@@ -19,9 +19,9 @@ from torch import nn
 from conftest import boom_mlp, gpt2_batch, tiny_gpt2
 from torchdoctor import NonFiniteError, NumericsMonitor, keep_fp32
 from torchdoctor.demo.model import build_demo, train_steps
-from torchdoctor.numerics import causes
-from torchdoctor.numerics.evidence import contradictions
-from torchdoctor.numerics.ranges import compute_dtype, shown
+from torchdoctor.numerics.explain import causes
+from torchdoctor.numerics.explain.evidence import contradictions
+from torchdoctor.numerics.explain.ranges import compute_dtype, shown
 
 pytestmark = pytest.mark.both_levels  # (conftest: once per watch level)
 

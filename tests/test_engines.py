@@ -11,8 +11,8 @@ from torch import nn
 
 from torchdoctor import NonFiniteError, NumericsMonitor
 from torchdoctor.numerics.engines import DeepSpeedEngine, Engine, MonitorWarning, select_engine
-from torchdoctor.numerics.scalers import LossScaler
-from torchdoctor.numerics.wrappers import clean_name, named_user_modules, unwrap_model, user_class_name
+from torchdoctor.numerics.engines.scalers import LossScaler
+from torchdoctor.numerics.engines.wrappers import clean_name, named_user_modules, unwrap_model, user_class_name
 
 
 def mlp() -> nn.Sequential:

@@ -130,8 +130,8 @@ def _sequential_trainer(model, rows, tmp_path, callback, steps, accumulation):
                                             ("feature", "features")])
 @pytest.mark.parametrize("micro_batch", [0, 1, 2])
 def test_a_nan_in_any_input_the_trainer_gives_the_model_is_the_data(tmp_path, kind, name, micro_batch):
-    from torchdoctor.numerics import causes
-    from torchdoctor.numerics.evidence import contradictions
+    from torchdoctor.numerics.explain import causes
+    from torchdoctor.numerics.explain.evidence import contradictions
 
     model, rows = _rows(kind, bad=2 * micro_batch + 1)  # batches of 2 rows, 3 micro-batches per step
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -150,7 +150,8 @@ def test_a_nan_in_any_input_the_trainer_gives_the_model_is_the_data(tmp_path, ki
 def test_an_inf_loss_with_finite_gradients_is_a_warning_the_trainer_survives(tmp_path):
     """A target of 1e20: its squared error is inf, its gradient finite (and clipped by the Trainer). The Trainer's
     own log leaves the inf out (logging_nan_inf_filter); the callback says so and keeps the report."""
-    from torchdoctor.numerics import NonFiniteWarning, causes
+    from torchdoctor.numerics import NonFiniteWarning
+    from torchdoctor.numerics.explain import causes
 
     model, rows = _rows("bert-label", bad=7, value=1e20)  # the last batch of 4 steps
     cb = NumericsCallback()

@@ -17,9 +17,9 @@ import torch
 
 from conftest import t5_batch, tiny_t5
 from torchdoctor import NonFiniteError, NumericsMonitor
-from torchdoctor.numerics import windows as stats
-from torchdoctor.numerics.frames import KEY, LABEL
-from torchdoctor.numerics.windows import StatBuffer, accelerator_path, lookup, window_reduce_works
+from torchdoctor.numerics.measure import windows as stats
+from torchdoctor.numerics.measure.windows import StatBuffer, accelerator_path, lookup, window_reduce_works
+from torchdoctor.numerics.record.frames import KEY, LABEL
 from torchdoctor.syncs import OpCounter
 
 
@@ -328,7 +328,7 @@ def test_compat_prints_an_output_as_returned_even_when_changed_in_place_later():
 def test_waiting_forward_calls_stay_bounded_and_in_order(tmp_path, monkeypatch):
     """Calls wait to be labelled together (StepRecord.defer); never more than CALLS_WAITING of them, nor more than a
     window's elements, and the trace still lists every call, in order, with its own numbers."""
-    from torchdoctor.numerics.step import CALLS_WAITING
+    from torchdoctor.numerics.record.step import CALLS_WAITING
 
     monkeypatch.chdir(tmp_path)
 

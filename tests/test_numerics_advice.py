@@ -22,8 +22,8 @@ import torchdoctor
 from conftest import boom_mlp
 from test_diagnosis_rules import autocast_step, boundary_input, boundary_model
 from torchdoctor import NonFiniteError, NumericsMonitor, keep_fp32
-from torchdoctor.numerics import causes
-from torchdoctor.numerics.evidence import contradictions
+from torchdoctor.numerics.explain import causes
+from torchdoctor.numerics.explain.evidence import contradictions
 from torchdoctor.numerics.fp32 import Fp32Guard
 
 pytestmark = pytest.mark.both_levels  # (conftest: once per watch level)

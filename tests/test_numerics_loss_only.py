@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchdoctor import NonFiniteError, NumericsMonitor
-from torchdoctor.numerics import NonFiniteWarning, causes
-from torchdoctor.numerics.evidence import contradictions
+from torchdoctor.numerics import NonFiniteWarning
+from torchdoctor.numerics.explain import causes
+from torchdoctor.numerics.explain.evidence import contradictions
 
 pytestmark = pytest.mark.both_levels  # (conftest: once per watch level)
 

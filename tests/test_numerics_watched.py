@@ -12,8 +12,8 @@ from torch import nn
 
 import torchdoctor
 from torchdoctor import NonFiniteError, NumericsMonitor
-from torchdoctor.numerics.diagnosis import Setup
-from torchdoctor.numerics.watched import describe, human_count
+from torchdoctor.numerics.explain.diagnosis import Setup
+from torchdoctor.numerics.record.watched import describe, human_count
 
 
 class SqrtOfZero(nn.Module):

@@ -12,7 +12,7 @@ from torch import nn
 
 from conftest import boom_mlp
 from torchdoctor import NonFiniteError, NumericsMonitor
-from torchdoctor.numerics import replay
+from torchdoctor.numerics.record import calls
 
 
 class OnceInf(nn.Module):
@@ -210,18 +210,18 @@ class Logits(nn.Module):
 
 @pytest.mark.parametrize("vocab", [64, 4096])
 def test_the_gradient_kept_at_the_models_output_stays_under_its_bound(monkeypatch, vocab):
-    monkeypatch.setattr(replay, "GRAD_BYTES_KEPT", 64 * 1024)  # (the bound, scaled down with the model)
+    monkeypatch.setattr(calls, "GRAD_BYTES_KEPT", 64 * 1024)  # (the bound, scaled down with the model)
     torch.manual_seed(0)
     model = Logits(vocab)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kept = []
-    original = replay._Keeper.__call__
+    original = calls._Keeper.__call__
 
     def spy(self, grad):
         original(self, grad)
         kept.append(self.call.grad_bytes)
 
-    monkeypatch.setattr(replay._Keeper, "__call__", spy)
+    monkeypatch.setattr(calls._Keeper, "__call__", spy)
     with NumericsMonitor(model, opt), pytest.raises(NonFiniteError) as e:
         model.boom.enabled = True
         F.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, vocab, (16,))).backward()

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchdoctor.numerics.slots import NOT_A_TENSOR, input_slots, output_slots
+from torchdoctor.numerics.measure.slots import NOT_A_TENSOR, input_slots, output_slots
 
 leaves = st.one_of(
     st.just(None),

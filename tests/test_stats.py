@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchdoctor.numerics.stats import all_finite, finite_flags_of, fused_check_works
+from torchdoctor.numerics.measure.stats import all_finite, finite_flags_of, fused_check_works
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 BAD = {"none": None, "nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}

@@ -33,11 +33,11 @@ from enum import Enum
 
 from torch import nn
 
-from .numerics.frames import ResolvedFrame
+from .numerics.explain.render import PREFIX, format_frame, hf_header
+from .numerics.explain.report import build_report
 from .numerics.monitor import NumericsMonitor
 from .numerics.overflow import detect_overflow
-from .numerics.render import PREFIX, format_frame, hf_header
-from .numerics.report import build_report
+from .numerics.record.frames import ResolvedFrame
 
 __all__ = ["DebugOption", "DebugUnderflowOverflow", "detect_overflow"]
 

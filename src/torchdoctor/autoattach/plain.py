@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..numerics.watched import live_modules
+from ..numerics.record.watched import live_modules
 
 
 def param_ids(optimizer: Any) -> set[int]:

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..numerics.monitor import NumericsMonitor
 from ..numerics.options import check_options
-from ..numerics.watched import describe, outermost_wrapper
+from ..numerics.record.watched import describe, outermost_wrapper
 from ..runvars import REPORT_DIR_VAR
 
 

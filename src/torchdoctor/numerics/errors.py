@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .report import FirstNonFinite, NonFiniteReport
+    from .explain.report import FirstNonFinite, NonFiniteReport
 
 
 class NonFiniteError(ValueError):

@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .wrappers import named_user_modules
+from .engines.wrappers import named_user_modules
 
 __all__ = ["Fp32Guard", "keep_fp32", "kept_in_fp32"]
 

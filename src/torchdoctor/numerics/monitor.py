@@ -69,24 +69,24 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from .buffers import BufferGuard
-from .causes import GrowthTrail
-from .closures import ClosureSteps
-from .compiled import Region, Regions
 from .engines import MonitorWarning, select_engine
-from .frames import ModuleInfo
-from .judging import Judging
+from .engines.scalers import LossScaler, OverflowEvent
+from .engines.wrappers import sharded
+from .explain.causes import GrowthTrail
+from .explain.report import NonFiniteReport
+from .explain.trace import TraceWriter
+from .judge.closures import ClosureSteps
+from .judge.judging import Judging
+from .judge.stepping import Stepping
+from .measure.buffers import BufferGuard
+from .measure.stats import fused_check_works
+from .measure.windows import window_reduce_works
 from .options import check_options, default_report_dir
-from .recording import Recording
-from .replay import sharded
-from .report import NonFiniteReport
-from .scalers import LossScaler, OverflowEvent
-from .stats import fused_check_works
-from .step import StepRecord
-from .stepping import Stepping
-from .trace import TraceWriter
-from .watched import describe
-from .windows import window_reduce_works
+from .record.compiled import Region, Regions
+from .record.frames import ModuleInfo
+from .record.recording import Recording
+from .record.step import StepRecord
+from .record.watched import describe
 
 log = logging.getLogger("torchdoctor.numerics")
 

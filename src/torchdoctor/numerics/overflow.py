@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .stats import skip_reason
+from .measure.stats import skip_reason
 
 
 def overflow_code(var: torch.Tensor) -> int:

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..scalers import LossScaler
-from ..stats import FLAT_ELEMENTS, finite_flags_of, flatten_dense
-from ..windows import cpu_paths
-from ..wrappers import clean_name, named_user_modules, unwrap_model, user_class_name
+from ..measure.stats import FLAT_ELEMENTS, finite_flags_of, flatten_dense
+from ..measure.windows import cpu_paths
+from .scalers import LossScaler
+from .wrappers import clean_name, named_user_modules, unwrap_model, user_class_name
 
 if TYPE_CHECKING:
     from ..monitor import NumericsMonitor

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ..scalers import LossScaler
 from .base import Engine, eager
+from .scalers import LossScaler
 
 if TYPE_CHECKING:
     from ..monitor import NumericsMonitor

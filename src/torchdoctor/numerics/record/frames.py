@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from .slots import NOT_A_TENSOR
-from .stats import ELSEWHERE, abs_min_max, has_inf, local_part, shard_skip_reason
-from .windows import StatBuffer, StatRef, lookup
+from ..measure.slots import NOT_A_TENSOR
+from ..measure.stats import ELSEWHERE, abs_min_max, has_inf, local_part, shard_skip_reason
+from ..measure.windows import StatBuffer, StatRef, lookup
 
 FWD, BWD, MARK = "fwd", "bwd", "mark"
 _LOSS_MODULE = torch.nn.modules.loss._Loss  # the base of torch's loss modules

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .frames import BWD, Line, ResolvedFrame
+from ..record.frames import BWD, Line, ResolvedFrame
 
 
 def shown(value: float | None) -> str:

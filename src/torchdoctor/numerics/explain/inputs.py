@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .frames import BWD, FWD, Line, ResolvedFrame
+from ..record.frames import BWD, FWD, Line, ResolvedFrame
 
 
 def producer(frames: list[ResolvedFrame], index: int, line: Line) -> ResolvedFrame | None:

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..measure.slots import labelled_outputs, visible_inputs, visible_outputs
+from ..measure.stats import finite_flags_of
+from .calls import capture, forward_ended, keep_output_grads
 from .compiled import Region
 from .frames import BWD, FWD, LABEL, MARK, Frame, ModuleInfo, measure, relabelled, slot_ref
-from .replay import capture, forward_ended, keep_output_grads
-from .slots import labelled_outputs, visible_inputs, visible_outputs
-from .stats import finite_flags_of
 from .step import StepRecord
 
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling

@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..jsonfile import dumps
+from ...jsonfile import dumps
+from ..record.frames import BWD, Line, ResolvedFrame
 from .diagnosis import (
     HEADROOM_FACTOR,
     Evidence,
@@ -25,7 +26,6 @@ from .diagnosis import (
     diagnose,
     keep_fp32_fix,
 )
-from .frames import BWD, Line, ResolvedFrame
 from .render import format_frames, who
 
 __all__ = [

@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from .frames import ENTRY, INF_REF, KEY, LABEL, Frame, Slot, make_slot, measure, relabelled, slot_ref
-from .slots import (
+from ..measure.slots import (
     INPUT_LABELS,
     NOT_A_TENSOR,
     OUTPUT_LABELS,
@@ -26,8 +25,9 @@ from .slots import (
     labelled_item,
     labelled_outputs,
 )
-from .stats import all_finite, has_inf
-from .windows import WINDOW_ELEMENTS, StatBuffer, fits_window
+from ..measure.stats import all_finite, has_inf
+from ..measure.windows import WINDOW_ELEMENTS, StatBuffer, fits_window
+from .frames import ENTRY, INF_REF, KEY, LABEL, Frame, Slot, make_slot, measure, relabelled, slot_ref
 
 _STRIDED = torch.strided
 _SCALARS = (bool, int, float, str)  # leaves of a call besides tensors and None (slots.labelled_inputs)
@@ -75,7 +75,7 @@ class StepRecord:
     backward_grad_flags: list[torch.Tensor] = field(default_factory=list)  # gradients when a backward ended
     backward_grads: list[tuple[torch.Tensor, weakref.ref]] = field(default_factory=list)  # ... which ones
     queued_task: int | None = None  # the backward whose end-of-backward callback is queued
-    root_calls: list = field(default_factory=list)  # the model's calls, kept for a replay (replay.RootCall)
+    root_calls: list = field(default_factory=list)  # the model's calls, kept for a replay (calls.RootCall)
     continued: bool = False  # compat: the same batch goes on (a submodule called on its own ended a record)
     live: bool = True  # every module's call recorded as it ran (else only the model's own: replayed if it goes bad)
     weights: StatBuffer | None = None  # the weights of the frames kept as context, measured as the step ended

@@ -26,10 +26,10 @@ import sys
 
 import torch
 
-from .causes import LOSS_LABELS, is_model_loss
-from .frames import BWD, FWD, MARK, ResolvedFrame
-from .render import who
-from .report import NonFiniteReport
+from ..explain.causes import LOSS_LABELS, is_model_loss
+from ..explain.render import who
+from ..explain.report import NonFiniteReport
+from ..record.frames import BWD, FWD, MARK, ResolvedFrame
 
 _LOOPS = ("transformers", "accelerate", "deepspeed")  # training loops whose callers are the user's line
 _OURS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(torch.__file__)))

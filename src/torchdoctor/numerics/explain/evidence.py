@@ -15,9 +15,9 @@ import re
 
 import torch
 
+from ..record.frames import BWD, MARK, Line, ResolvedFrame
 from . import causes
 from .causes import low_precision, narrow_range
-from .frames import BWD, MARK, Line, ResolvedFrame
 from .ranges import compute_dtype, dtype_max, product_overflow, shown
 from .render import who
 from .report import NonFiniteReport

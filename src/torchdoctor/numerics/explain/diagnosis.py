@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..record.frames import BWD, FWD, MARK, Line, ResolvedFrame
 from . import causes
 from .causes import divergence, narrow_range, step_dtypes
-from .frames import BWD, FWD, MARK, Line, ResolvedFrame
 from .inputs import ModelInput, input_name, marked_input, model_input, producer, root_of_call
 from .ranges import (
     dtype_max,

@@ -17,15 +17,15 @@ from typing import Any
 
 import torch
 
-from .compiled import Regions
-from .diagnosis import Setup
-from .engines import MonitorWarning
-from .errors import AbortAfterStep, NonFiniteError
-from .fp32 import kept_in_fp32
+from ..engines import MonitorWarning
+from ..errors import AbortAfterStep, NonFiniteError
+from ..explain.diagnosis import Setup
+from ..explain.report import NonFiniteReport, build_report
+from ..fp32 import kept_in_fp32
+from ..measure.stats import all_finite
+from ..record.compiled import Regions
+from ..record.step import StepRecord
 from .replay import localize, replay_failed_forward
-from .report import NonFiniteReport, build_report
-from .stats import all_finite
-from .step import StepRecord
 from .verdict import share_verdict
 
 log = logging.getLogger("torchdoctor.numerics")

@@ -11,7 +11,7 @@ still sees of a compiled region is its edge, where Python runs eagerly:
 At the edge, each call of a region records one *boundary* frame (its inputs as context, its outputs
 judged), plus, at ``grads="modules"``, the gradients at its outputs; the parameter gradients are
 checked at the step's end as for any model. Of each call of the *model* (each micro-batch) the monitor
-keeps what a replay needs until the step is checked (:class:`~.replay.RootCall`).
+keeps what a replay needs until the step is checked (:class:`~.calls.RootCall`).
 
 When the first non-finite value of a step is at a region's edge, in a gradient made by a compiled
 region's backward, or in a parameter gradient, the monitor replays that micro-batch eagerly
@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from ..engines.wrappers import clean_name, is_wrapper, named_user_modules, unwrap_model, user_class_name
 from .frames import ModuleInfo
-from .wrappers import clean_name, is_wrapper, named_user_modules, unwrap_model, user_class_name
 
 if TYPE_CHECKING:
-    from .monitor import NumericsMonitor
+    from ..monitor import NumericsMonitor
 
 
 @dataclass(eq=False)

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .errors import NonFiniteError
-from .report import NonFiniteReport
+from ..errors import NonFiniteError
+from ..explain.report import NonFiniteReport
 
 MANY_EVALUATIONS = (torch.optim.LBFGS,)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from .wrappers import _inner, is_wrapper, unwrap_model, user_class_name
+from ..engines.wrappers import _inner, is_wrapper, unwrap_model, user_class_name
 
 # short names of the wrappers people know by them (others: their class name)
 _SHORT = {

@@ -10,7 +10,7 @@ column, so that people who know that report read ours without learning anything 
 
 from __future__ import annotations
 
-from .frames import Line, ResolvedFrame
+from ..record.frames import Line, ResolvedFrame
 
 PREFIX = " " * 17  # transformers' indentation of a frame header
 

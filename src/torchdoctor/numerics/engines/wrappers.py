@@ -79,3 +79,11 @@ def named_user_modules(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for name, module in unwrap_model(root).named_modules():
         if not is_wrapper(module):
             yield clean_name(name), module
+
+
+def sharded(module: nn.Module) -> bool:
+    """Does this module's forward make collectives by design (FSDP unshards, ZeRO-3 gathers)?"""
+    for m in module.modules():
+        if type(m).__name__ == "FullyShardedDataParallel" or any(c.__name__ == "FSDPModule" for c in type(m).__mro__):
+            return True
+    return any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in module.parameters())

@@ -6,8 +6,8 @@ import os
 import sys
 from typing import TextIO
 
-from ..jsonfile import dumps
-from .frames import ResolvedFrame
+from ...jsonfile import dumps
+from ..record.frames import ResolvedFrame
 from .render import format_frame, frames_header
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .frames import BWD, FWD, MARK, Line, ResolvedFrame
+from ..record.frames import BWD, FWD, MARK, Line, ResolvedFrame
 from .render import who
 
 # stable diagnosis ids (NonFiniteReport.cause); DESIGN.md's table lists each with its evidence and fix

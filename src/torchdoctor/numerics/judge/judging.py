@@ -17,17 +17,17 @@ import warnings
 from collections import deque
 from typing import TYPE_CHECKING
 
-from ..advice import fp16_collapse_fix
-from . import causes
-from .errors import NonFiniteWarning
-from .frames import BWD, FWD, ModuleInfo, ResolvedFrame, measure_now, resolve
+from ...advice import fp16_collapse_fix
+from ..engines.scalers import OverflowEvent
+from ..errors import NonFiniteWarning
+from ..explain import causes
+from ..explain.render import who
+from ..explain.report import FirstNonFinite, NonFiniteReport, build_report, find_first_bad
+from ..measure.stats import all_finite, finite_flags_of
+from ..record.frames import BWD, FWD, ModuleInfo, ResolvedFrame, measure_now, resolve
+from ..record.step import StepRecord
 from .loss_warning import as_warning, loss_name, only_the_loss, user_stacklevel
-from .render import who
 from .replay import NOT_REPRODUCED, localize
-from .report import FirstNonFinite, NonFiniteReport, build_report, find_first_bad
-from .scalers import OverflowEvent
-from .stats import all_finite, finite_flags_of
-from .step import StepRecord
 from .verdict import (
     BACKWARD,
     FORWARD,
@@ -42,8 +42,8 @@ from .verdict import (
 )
 
 if TYPE_CHECKING:
-    from .engines import Engine
-    from .scalers import LossScaler
+    from ..engines import Engine
+    from ..engines.scalers import LossScaler
 
 log = logging.getLogger("torchdoctor.numerics")
 
