@@ -8,18 +8,11 @@ import pickle
 
 import pytest
 
-from torchdoctor.env import bundle
-from torchdoctor.env.bundle import (
-    BundleError,
-    load_ds_config,
-    load_training_args,
-    render_markdown,
-    to_json,
-    training_args_diff,
-    uses_nvme,
-    versions,
-)
+from torchdoctor.env import training_args
+from torchdoctor.env.bundle import BundleError, load_ds_config, uses_nvme
+from torchdoctor.env.bundle_render import render_markdown, to_json, versions
 from torchdoctor.env.facts import Facts, Gpu, PackageFacts, Toolkit, TorchFacts
+from torchdoctor.env.training_args import load_training_args, training_args_diff
 from torchdoctor.findings import Finding
 
 DS_CONFIG = {
@@ -146,7 +139,7 @@ def test_every_scalar_default_given_on_the_command_line_is_no_change(ta_module):
             words.append(f"--{f.name}={str(d).lower()}")
         elif isinstance(d, (int, float)):
             words.append(f"--{f.name} {d!r}")
-        elif isinstance(d, str) and d and f.name not in bundle.SKIPPED_FIELDS:
+        elif isinstance(d, str) and d and f.name not in training_args.SKIPPED_FIELDS:
             words.append(f"--{f.name} {d}")
     assert len(words) > 50
     args = load_training_args(" ".join(words))
@@ -282,7 +275,7 @@ def test_diff_normalises_enums_and_tuples():
 
 
 def test_without_transformers_everything_is_listed(monkeypatch):
-    monkeypatch.setattr(bundle, "_ta_fields", lambda: None)
+    monkeypatch.setattr(training_args, "_ta_fields", lambda: None)
     args = load_training_args("--learning_rate 1e-4 --fp16 --warmup_steps=10 --report_to wandb tb --no_x --hub_token t")
     assert args == {"learning_rate": 1e-4, "fp16": True, "warmup_steps": 10, "report_to": ["wandb", "tb"],
                     "no_x": True, "hub_token": "t"}
@@ -446,7 +439,7 @@ def test_words_before_the_first_option_are_named_in_a_note(ta_module):
 
 
 def test_the_note_survives_without_transformers(monkeypatch):
-    monkeypatch.setattr(bundle, "_ta_fields", lambda: None)
+    monkeypatch.setattr(training_args, "_ta_fields", lambda: None)
     diff = training_args_diff(load_training_args("python x.py --lr 3"))
     assert "ignored before the first --option: python x.py" in diff["note"] and "not importable" in diff["note"]
 

@@ -222,7 +222,7 @@ def test_every_command_reads_json_files_through_this_module():
 
 def test_ds_check_env_report_and_ds_memory_say_the_same(tmp_path, capsys):
     from torchdoctor.deepspeed import config_check, memory_run
-    from torchdoctor.env import bundle
+    from torchdoctor.env import bundle, training_args
 
     path = write(tmp_path, "ds.json", '{"fp16": {"enabled": true,\n "enabled": false}}')
     expected = error(path)
@@ -236,4 +236,4 @@ def test_ds_check_env_report_and_ds_memory_say_the_same(tmp_path, capsys):
     memory_run.add_arguments(parser)
     rc = memory_run.run(parser.parse_args(["--params", "7B", "--gpus-per-node", "1", "--config", path]))
     assert rc == 2 and capsys.readouterr().err == f"torchdoctor ds memory: --config: {expected}\n"
-    assert jsonfile.PICKLE_SUFFIXES == bundle.PICKLE_SUFFIXES
+    assert jsonfile.PICKLE_SUFFIXES == training_args.PICKLE_SUFFIXES

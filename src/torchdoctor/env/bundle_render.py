@@ -7,7 +7,6 @@ Pure: facts, findings and the inputs :mod:`torchdoctor.env.bundle` read come in,
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -16,10 +15,7 @@ from ..findings import render_markdown as render_findings
 from ..jsonfile import json_safe
 from .facts import Facts
 from .rules import build_toolkit
-
-_REDACTED = "<redacted>"
-_SECRET_KEY = re.compile(r"(?:^|_)(?:token|api_?key|password|secret)$", re.IGNORECASE)
-
+from .training_args import REDACTED, SECRET_KEY, training_args_diff
 
 # -- versions -------------------------------------------------------------------------------------------
 
@@ -97,7 +93,7 @@ _SEVERITY_ORDER = {"fail": 0, "warn": 1, "info": 2, "ok": 3, "skip": 4}
 def _redact_config(obj: Any) -> Any:
     """The DeepSpeed config with secret-looking string values (monitor api keys, tokens) replaced."""
     if isinstance(obj, dict):
-        return {k: (_REDACTED if isinstance(v, str) and _SECRET_KEY.search(str(k)) else _redact_config(v))
+        return {k: (REDACTED if isinstance(v, str) and SECRET_KEY.search(str(k)) else _redact_config(v))
                 for k, v in obj.items()}
     if isinstance(obj, list):
         return [_redact_config(x) for x in obj]
@@ -108,8 +104,6 @@ def _as_diff(ta: dict) -> dict:
     """``ta`` is normally training_args_diff's result; raw arguments are diffed here."""
     if set(ta) == {"changed", "unknown", "defaults_from", "note"}:
         return ta
-    from .bundle import training_args_diff  # here: bundle imports this module
-
     return training_args_diff(ta)
 
 

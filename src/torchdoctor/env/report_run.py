@@ -34,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .bundle import BundleError, load_ds_config, load_training_args, render_markdown, to_json, training_args_diff
+    from .bundle import BundleError, load_ds_config
+    from .bundle_render import render_markdown, to_json
+    from .training_args import load_training_args, training_args_diff
 
     try:
         if args.ds_config is not None and not args.ds_config.strip():
