@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torchdoctor.deepspeed import check_run, config_check, schema_tables
+from torchdoctor.deepspeed import pydantic_models as ds_pydantic
 from torchdoctor.deepspeed import schema as ds_schema
 from torchdoctor.deepspeed.config_check import ConfigError, check, load
 from torchdoctor.deepspeed.hf_fill import hf_fill
@@ -199,7 +200,7 @@ VALUES = [0, 1, 2, 3, 4, -1, 16, 0.5, 1.0, 16.5, 1e20, float("inf"), float("nan"
 def test_bad_value_fails_exactly_when_deepspeeds_model_refuses_the_value(block, key):
     """Our reading of a value agrees with DeepSpeed's own pydantic model, value by value."""
     pytest.importorskip("deepspeed")
-    model = ds_schema._model_class(config_check.schema().models[block])
+    model = ds_pydantic.model_class(config_check.schema().models[block])
     for v in VALUES:
         try:
             model(**{key: v})

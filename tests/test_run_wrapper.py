@@ -575,10 +575,10 @@ def test_nothing_measured_is_said_so_and_an_empty_output_is_worded_for_a_command
 
 
 def test_one_signal_name_helper():
-    from torchdoctor.logs import analyze
+    from torchdoctor.logs import analyze, wrap_result
 
     assert not hasattr(wrap, "_signame") and not hasattr(analyze, "_signame")
-    assert wrap.signame is analyze.signal_name and analyze.signal_name(9) == "SIGKILL"
+    assert wrap_result.signame is analyze.signal_name and analyze.signal_name(9) == "SIGKILL"
 
 
 def test_an_oom_kill_of_a_process_no_sample_saw_keeps_the_verdict_open(monkeypatch):

@@ -24,6 +24,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
+from .pydantic_models import model_class, models_in, pydantic_models
 from .schema_tables import (
     _FALLBACK_BLOCKS,
     _FALLBACK_DS_AUTO,
@@ -248,40 +249,6 @@ def _spec_of_field(field: Any, block: str, name: str, strict: frozenset[str] | d
     return " ".join([kind, *tokens])
 
 
-def _model_class(where: str) -> type:
-    """The class named by a ``"module:Qualname"`` entry of the models table."""
-    import importlib
-
-    module, _, qualname = where.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _models_in(ann: Any) -> list[type]:
-    """The pydantic models an annotation names (``X``, ``Optional[X]``, ``X | Y``...)."""
-    import pydantic
-
-    if isinstance(ann, type) and issubclass(ann, pydantic.BaseModel):
-        return [ann]
-    return [m for a in typing.get_args(ann) for m in _models_in(a)]
-
-
-def _pydantic_models() -> dict[str, list[type]]:
-    """Every pydantic model class loaded now, by class name (a ValidationError names its model only by name)."""
-    import pydantic
-
-    out: dict[str, list[type]] = {}
-    todo = [pydantic.BaseModel]
-    while todo:
-        for sub in todo.pop().__subclasses__():
-            if sub not in out.get(sub.__name__, []):
-                out.setdefault(sub.__name__, []).append(sub)
-                todo.append(sub)
-    return out
-
-
 def _strict_model_of(key: str) -> type | None:
     """The pydantic model DeepSpeed's parser validates top-level ``key`` with, when it forbids unknown keys.
 
@@ -300,14 +267,14 @@ def _strict_model_of(key: str) -> type | None:
     except pydantic.ValidationError as e:
         locs = [tuple(err["loc"]) for err in e.errors() if err["type"] == "extra_forbidden"
                 and tuple(err["loc"])[-1:] == (_PROBE,)]
-        named = _pydantic_models().get(e.title, [])
+        named = pydantic_models().get(e.title, [])
         if not locs or len(named) != 1:
             return None
         model = named[0]
         for part in locs[0][:-1]:
             field = model.model_fields.get(part) or next(
                 (f for f in model.model_fields.values() if f.alias == part), None)
-            subs = _models_in(field.annotation) if field is not None else []
+            subs = models_in(field.annotation) if field is not None else []
             if len(subs) != 1:
                 return None
             model = subs[0]
@@ -330,7 +297,7 @@ def _models_from_deepspeed(top: tuple[str, ...]) -> dict[str, str]:
     def walk(block: str, model: type, seen: frozenset) -> None:
         out[block] = model
         for name, field in model.model_fields.items():
-            for sub in _models_in(field.annotation):
+            for sub in models_in(field.annotation):
                 if sub.model_config.get("extra") == "forbid" and sub not in seen:
                     walk(f"{block}.{name}", sub, seen | {sub})
 
@@ -349,7 +316,7 @@ def _models_from_deepspeed(top: tuple[str, ...]) -> dict[str, str]:
 def _blocks_from_deepspeed(models: dict[str, str]) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     for block, where in models.items():
-        model = _model_class(where)
+        model = model_class(where)
         fields: dict[str, str] = {}
         for name, field in model.model_fields.items():
             spec = _spec_of_field(field, block, name, models)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from .schema import _model_class, _models_in
+from .pydantic_models import model_class, models_in
 from .schema_tables import _FALLBACK_DS_AUTO, _FALLBACK_MODELS
 
 
@@ -53,14 +53,14 @@ def _auto_in_models(models: dict[str, str]) -> set[str]:
             keys = {name, field.alias or name}
             if field.default_factory is None and _is_auto(field.default):
                 found.update(prefix + k for k in keys)
-            for sub in _models_in(field.annotation):
+            for sub in models_in(field.annotation):
                 if sub not in seen:
                     for k in keys:
                         walk(sub, f"{prefix}{k}.", seen | {sub})
 
     for block, where in models.items():
         if "." not in block:  # nested blocks are reached from their parent
-            model = _model_class(where)
+            model = model_class(where)
             walk(model, block + ".", frozenset({model}))
     return found
 
