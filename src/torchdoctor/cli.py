@@ -47,6 +47,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "torchdoctor.logs.logs_run",
         "read training logs (DeepSpeed, HF Trainer, torchrun, NCCL): loss-scale collapse, NaN loss, kills, OOM",
     ),
+    "precision": (
+        "torchdoctor.precision.precision_run",
+        "before training: will the model overflow in fp16 (or bf16), where, the loss scale, the fp32 fix, verified",
+    ),
     "run": (
         "torchdoctor.logs.wrap_run",
         "run a training command, pass its output through, and explain how it ended (SIGKILL: peak RAM, OOM)",
@@ -60,6 +64,7 @@ EXAMPLES = [
     ("torchdoctor ds check ds_config.json --world-size 8", "lint a DeepSpeed config"),
     ("torchdoctor logs train.log", "why did this run break?"),
     ("torchdoctor run -- torchrun --nproc_per_node 8 train.py", "run training and explain how it ended"),
+    ("torchdoctor precision ./my-model", "will it overflow in fp16? where, and the fix"),
     ("torchdoctor COMMAND --help", "a command's options, examples and exit codes"),
 ]
 EXIT_CODES = [(EXIT_OK, "healthy"), (EXIT_PROBLEMS, "problems found"),

@@ -19,7 +19,8 @@ import re
 import types
 from typing import Any
 
-from .schema import HF_AUTO_KEYS, _quiet_deepspeed
+from .quiet import quiet_deepspeed
+from .schema import HF_AUTO_KEYS
 
 # What accelerate's _prepare_deepspeed passes to deepspeed_config_process (a local dict there, so not readable):
 # gradient clipping, the 16-bit save flag, and the batch sizes it computed. The hidden-size keys, the DummyOptim /
@@ -153,7 +154,7 @@ def _run_hf(config: dict) -> HfFill:
 def hf_fill(config: dict) -> HfFill:
     """What the HF Trainer fills in ``config`` (not modified), and the ``"auto"`` values it leaves."""
     try:
-        with _quiet_deepspeed():
+        with quiet_deepspeed():
             return _run_hf(config)
     except ImportError as e:
         return _bundled(config, f"{e.name or 'transformers'} not installed")

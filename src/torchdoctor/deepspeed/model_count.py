@@ -113,7 +113,7 @@ def _config_path(path: str) -> str:
     raise ModelCountError(f"--model {path}: no such file or folder")
 
 
-def _config_from(raw: dict, transformers) -> tuple[Any, str | None]:
+def config_from(raw: dict, transformers) -> tuple[Any, str | None]:
     """(the transformers config of the JSON object already read, None), or (None, why transformers refused it, in
     one line). Built by ``AutoConfig.from_pretrained`` on a copy in a folder of its own, so transformers' own reading
     applies (its model_type table and quirks) without opening the user's file again: a FIFO or ``<(...)`` is read
@@ -165,7 +165,7 @@ def model_counts(path: str, model_class: str | None = None) -> dict[str, Any]:
             from None
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    cfg, why = _config_from(raw, transformers)
+    cfg, why = config_from(raw, transformers)
     if cfg is None:
         raise ModelCountError(f"--model {cfg_path}: transformers {transformers.__version__} cannot read it: {why}")
     cls, why = choose_class(cfg, transformers, model_class)

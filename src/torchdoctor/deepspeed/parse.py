@@ -14,7 +14,7 @@ import copy
 import os
 from typing import Any
 
-from .schema import _quiet_deepspeed
+from .quiet import quiet_deepspeed
 
 
 def edit(config: dict, edits: list[dict[str, Any]]) -> dict:
@@ -42,7 +42,7 @@ def refusal(config: dict, world_size: int = 1) -> str | None:
     """None when DeepSpeed's parser accepts ``config`` for ``world_size`` data-parallel ranks, else its error as
     ``"Type: message"`` (first line). Raises ImportError when deepspeed is not installed."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    with _quiet_deepspeed():
+    with quiet_deepspeed():
         from deepspeed.runtime import config as ds_config
 
         cfg = ds_config.DeepSpeedConfig.__new__(ds_config.DeepSpeedConfig)

@@ -10,21 +10,17 @@ cannot be read, the bundled copy in :mod:`.schema_tables` is used and :attr:`Sch
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import functools
-import io
 import json
-import logging
 import pathlib
-import sys
 import types
 import typing
-from collections.abc import Iterator
 from typing import Any
 
 from .pydantic_models import model_class, models_in, pydantic_models
+from .quiet import quiet_deepspeed
 from .schema_tables import (
     _FALLBACK_BLOCKS,
     _FALLBACK_DS_AUTO,
@@ -171,29 +167,6 @@ HF_AUTO_KEYS = frozenset({
     "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 })
 
-
-
-@contextlib.contextmanager
-def _quiet_deepspeed() -> Iterator[None]:
-    """Keep DeepSpeed's import-time lines ("Setting accelerator to CPU") off our stdout (it would break --json).
-
-    DeepSpeed's logger writes to the ``sys.stdout`` of the moment it is created, so a handler created while stdout
-    is redirected is pointed back at the real stdout afterwards: the user's own DeepSpeed logging is left as it was.
-    """
-    real = sys.stdout
-    buf = io.StringIO()
-    ds_logger = logging.getLogger("DeepSpeed")
-    was_disabled = ds_logger.disabled
-    ds_logger.disabled = True
-    try:
-        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        ds_logger.disabled = was_disabled
-        for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
-            for h in getattr(lg, "handlers", ()):
-                if isinstance(h, logging.StreamHandler) and h.stream is buf:
-                    h.setStream(real)
 
 
 def _spec_of_field(field: Any, block: str, name: str, strict: frozenset[str] | dict) -> str:
@@ -440,7 +413,7 @@ def deepspeed_tables() -> dict[str, Any]:
 
     The raw material of :func:`schema`; the tests compare it with the bundled copy.
     """
-    with _quiet_deepspeed():
+    with quiet_deepspeed():
         import deepspeed
 
         version = str(getattr(deepspeed, "__version__", "?"))

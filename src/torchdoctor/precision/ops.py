@@ -1,0 +1,162 @@
+"""Every op of a forward, with the module running it and what its values were.
+
+A :class:`Recorder` is a dispatch mode: below autograd and autocast, it sees each aten op as it runs, with the
+dtypes autocast chose. For each op that computes new floating values (not a view, not a cast) it keeps, on the
+device, the largest magnitude among its floating inputs and outputs and how many of its output values a target
+dtype would turn subnormal or flush to zero. The innermost module running the op comes from pre/post forward
+hooks on every module. Nothing is read until :meth:`Recorder.read` (one host read for the pass).
+
+Two passes of the same model on the same batch -- one in fp32, one under the target dtype's autocast -- run the
+same ops in the same order (autocast's own casts are left out of both), so op ``i`` of one is op ``i`` of the
+other: the fp32 pass says how large a value is, the autocast pass whether it is computed in the narrow dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: ops that move or reinterpret values without computing new ones (casts, copies, views are skipped by
+#: ``is_view``): leaving them out of both passes makes autocast's own casts invisible to the pairing
+_SKIPPED = {"_to_copy", "to", "copy_", "clone", "detach", "alias", "lift_fresh", "empty_like", "zeros_like",
+            "ones_like", "full_like", "new_empty", "new_zeros", "new_ones", "new_full", "contiguous", "_unsafe_view",
+            "view", "reshape", "expand", "t", "transpose", "permute", "unsqueeze", "squeeze", "slice", "select",
+            "split", "split_with_sizes", "chunk", "unbind", "as_strided", "narrow", "flatten", "unflatten",
+            "_reshape_alias", "repeat", "cat", "stack", "index_select", "embedding", "gather"}
+#: fields of an op's statistics row
+IN_MAX, OUT_MAX, NONZERO, SUBNORMAL, FLUSHED, NONFINITE = range(6)
+
+
+@dataclass(slots=True)
+class OpRecord:
+    name: str  # the aten op, e.g. "mm" or "addmm"
+    module: str  # the innermost module running it ("" for the model's own code at the root)
+    dtype: torch.dtype  # the dtype of its first floating output
+    stats: list[float]  # IN_MAX, OUT_MAX, NONZERO, SUBNORMAL, FLUSHED, NONFINITE (after Recorder.read)
+
+
+def flush_below(dtype: torch.dtype) -> float:
+    """Half the dtype's smallest subnormal: a value of smaller magnitude rounds to zero in it."""
+    info = torch.finfo(dtype)
+    return float(info.smallest_normal) * float(info.eps) / 2
+
+
+def magnitudes(ts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values' magnitudes (fp32, flat) and which of them are not values but sentinels: inf, nan, or the dtype's
+    own largest finite value (what attention masks fill with: ``torch.finfo(dtype).min``)."""
+    parts, marks = [], []
+    for t in ts:
+        a = t.detach().abs().flatten()
+        parts.append(a.float())
+        marks.append(~torch.isfinite(a) | (a >= torch.finfo(t.dtype).max))
+    if len(parts) == 1:
+        return parts[0], marks[0]
+    return torch.cat(parts), torch.cat(marks)
+
+
+def magnitude(t: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude among ``t``'s values that are not sentinels (see :func:`magnitudes`), a 0-d fp32 tensor,
+    and whether any value is inf or nan."""
+    a, sentinel = magnitudes([t])
+    return (torch.where(sentinel, torch.zeros_like(a), a).amax() if a.numel() else a.sum()), sentinel.any()
+
+
+def _floats(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() and obj.numel() else []
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _floats(x)]
+    return []
+
+
+class Recorder(TorchDispatchMode):
+    """Record the ops of the forwards run inside it (``with recorder, recorder.modules(model): model(...)``)."""
+
+    def __init__(self, target: torch.dtype) -> None:
+        super().__init__()
+        info = torch.finfo(target)
+        self.normal_min = float(info.tiny)  # below it a value is subnormal in the target dtype
+        self.flush_below = flush_below(target)
+        self.stack: list[str] = [""]
+        self.names: list[str] = []
+        self.modules_of: list[str] = []
+        self.dtypes: list[torch.dtype] = []
+        self.rows: list[torch.Tensor] = []
+        self.on = True
+
+    @contextlib.contextmanager
+    def modules(self, model: nn.Module, names: dict[nn.Module, str]) -> Iterator[None]:
+        """Keep the stack of running modules (``names``: module -> its qualified name) while the block runs."""
+        stack = self.stack
+
+        def pop(module: nn.Module, args: object, output: object) -> None:  # (a hook's return value replaces)
+            stack.pop()
+
+        handles = []
+        for module, name in names.items():
+            handles.append(module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name)))
+            handles.append(module.register_forward_hook(pop))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            del self.stack[1:]
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops run by the caller's own measuring (inside a hook) are not the model's."""
+        on, self.on = self.on, False
+        try:
+            yield
+        finally:
+            self.on = on
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.on:
+            return out
+        name = func.overloadpacket.__name__
+        if func.is_view or name in _SKIPPED or name.endswith("_like"):
+            return out
+        outs = _floats(out)
+        if not outs:
+            return out
+        ins = _floats(list(args) + list((kwargs or {}).values()))
+        self.names.append(name)
+        self.modules_of.append(self.stack[-1])
+        self.dtypes.append(outs[0].dtype)
+        self.rows.append(self._row(ins, outs))
+        return out
+
+    def _row(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> torch.Tensor:
+        zero = torch.zeros((), device=outs[0].device)
+        in_max = torch.stack([magnitude(t)[0] for t in ins]).amax() if ins else zero
+        a, sentinel = magnitudes(outs)
+        nonzero = (a > 0) & ~sentinel
+        return torch.stack([
+            in_max,
+            torch.where(sentinel, torch.zeros_like(a), a).amax() if a.numel() else zero,
+            nonzero.sum().float(),
+            (nonzero & (a < self.normal_min)).sum().float(),
+            (nonzero & (a < self.flush_below)).sum().float(),
+            (~torch.isfinite(a)).sum().float(),
+        ])
+
+    def read(self) -> list[OpRecord]:
+        """The recorded ops with their statistics (one host read)."""
+        if not self.rows:
+            return []
+        table = torch.stack([r.to("cpu") for r in self.rows]).tolist()
+        return [OpRecord(n, m, d, s) for n, m, d, s in zip(self.names, self.modules_of, self.dtypes, table)]
+
+
+def paired(fp32_ops: list[OpRecord], narrow_ops: list[OpRecord]) -> bool:
+    """Did both passes run the same ops in the same order (then op i of one is op i of the other)?"""
+    return len(fp32_ops) == len(narrow_ops) and all(
+        a.name == b.name and a.module == b.module for a, b in zip(fp32_ops, narrow_ops))
