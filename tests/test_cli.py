@@ -33,6 +33,9 @@ def test_demo_finds_the_overflow_and_the_fix_works(tmp_path):
     first = result["first_run"]["error"]["first"]
     assert first["phase"] == "fwd" and first["value"] == "inf"
     assert first["module"].startswith("encoder.block.2.layer.1")
+    # torchdoctor precision, run before training, predicted that module
+    assert first["module"] in [site["module"] for site in result["predicted_overflow"]]
+    assert {f["id"]: f["severity"] for f in result["findings"]}["demo.prediction"] == "ok"
     assert "within" in result["first_run"]["error"]["diagnosis"]
     assert result["fixed_run"]["region"] == "encoder.block.2.layer.1"
     assert result["fixed_run"]["finite"] is True

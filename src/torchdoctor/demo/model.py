@@ -394,3 +394,11 @@ def train_steps(
     finally:
         torch.set_num_threads(threads_before)
     return losses
+
+
+def precision_case(seed: int = 0) -> tuple[TinyT5ForDemo, dict[str, torch.Tensor]]:
+    """The demo's model and its first batch, for ``torchdoctor precision torchdoctor.demo.model:precision_case``
+    (a factory: ``(model, batch)``, the batch the forward's keyword arguments)."""
+    model, batches = build_demo(seed)
+    input_ids, labels = batches[0]
+    return model, {"input_ids": input_ids, "labels": labels}

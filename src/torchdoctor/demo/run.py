@@ -286,9 +286,14 @@ def _demo(args: argparse.Namespace, report_dir: str, kept: bool) -> int:
     torch.set_num_threads(min(2, torch.get_num_threads()))
     say = (lambda *a: None) if args.json else print
     t0 = time.perf_counter()
+    predicted = _predicted(args.seed)
+    site = predicted[0] if predicted else None
+    say("torchdoctor precision predicts " + (
+        f"an fp16 overflow at {site['module']} ({site['class']}): {site['op']} reaches {site['peak']:.3g} in fp32, "
+        f"beyond fp16's {65504:.3g}" if site else "no fp16 overflow") + " -- training to see:\n")
     say(f"torchdoctor demo: a tiny T5 trains in fp16 (CPU autocast + GradScaler) for {args.steps} steps\n")
     losses, error, _ = _train(build_demo, train_steps, args.seed, args.steps, report_dir)
-    result: dict = {"findings": [], "seed": args.seed, "steps": args.steps,
+    result: dict = {"findings": [], "seed": args.seed, "steps": args.steps, "predicted_overflow": predicted,
                     "first_run": {"losses": losses, "error": None}, "fixed_run": None, "report_files": None}
     findings: list[Finding] = []
 
@@ -317,7 +322,13 @@ def _demo(args: argparse.Namespace, report_dir: str, kept: bool) -> int:
         f"{first.module} ({first.cls}), slot {first.slot}",
         [details.diagnosis], [details.fix] if details.fix else [],
         {"cause": details.cause, "fp32_region": details.fp32_region, "report_files": result["report_files"]}))
-    say(f"the monitor stopped the run at step {first.step}, before the optimizer applied it:\n")
+    confirmed = first.module in [p["module"] for p in predicted]
+    findings.append(Finding(
+        "demo.prediction", "ok" if confirmed else "warn",
+        f"the module the monitor named, {first.module}, is " + ("" if confirmed else "not ")
+        + "among those torchdoctor precision predicted before training", [p["module"] for p in predicted]))
+    say(f"the monitor stopped the run at step {first.step}, before the optimizer applied it"
+        + (" (at the module precision predicted)" if confirmed else " (not where precision predicted)") + ":\n")
     say(error.report)
     if written and kept:
         say(f"\n(report also written to {report_dir}/{REPORT}.txt and .json)\n")
@@ -355,6 +366,19 @@ def _demo(args: argparse.Namespace, report_dir: str, kept: bool) -> int:
     if not written:
         say("the report was not written: the demo did not go as shown (exit 1)")
     return done(EXIT_OK if ok and written else EXIT_PROBLEMS)
+
+
+def _predicted(seed: int) -> list[dict]:
+    """What ``torchdoctor precision`` predicts for the demo's model and first batch, before any training."""
+    import torch
+
+    from ..precision.predict import predict_model
+    from .model import build_demo
+
+    model, batches = build_demo(seed)
+    input_ids, labels = batches[0]
+    prediction = predict_model(model, {"input_ids": input_ids, "labels": labels}, torch.float16, "cpu")
+    return [s.to_json() for s in prediction.overflow]
 
 
 def _finite(x: float) -> bool:

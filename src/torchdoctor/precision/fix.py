@@ -73,7 +73,7 @@ def _flagged(model: nn.Module, batch: Any, probe: Probe, regions: list[str], lim
         baseline[key] = max(baseline.get(key, 0.0), op.stats[NONFINITE])
     mods = dict(named_user_modules(model))
     names = {m: n for n, m in mods.items()}
-    recorder = Recorder(probe.target)
+    recorder = Recorder(probe.target, weights={p.untyped_storage().data_ptr() for p in model.parameters()})
     went_bad: dict[str, torch.Tensor] = {}
 
     def watch(name: str):

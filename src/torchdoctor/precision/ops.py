@@ -77,8 +77,18 @@ def _floats(obj) -> list[torch.Tensor]:
 class Recorder(TorchDispatchMode):
     """Record the ops of the forwards run inside it (``with recorder, recorder.modules(model): model(...)``)."""
 
-    def __init__(self, target: torch.dtype) -> None:
+    def __init__(self, target: torch.dtype, plan: list[OpRecord] | None = None,
+                 weights: set[int] | frozenset[int] = frozenset(), measure: bool = True) -> None:
+        """``plan``: the ops of a pass in the target dtype already recorded; an op this pass runs at the same place
+        is measured only when the plan's ran in the target dtype (the others cannot overflow or flush there: a
+        zero row). ``weights``: storage addresses of the parameters, left out of an op's inputs (the weights are
+        checked on their own, and measuring the embedding at every op that reads it costs more than the op).
+        ``measure=False``: names, modules and dtypes only."""
         super().__init__()
+        self.plan = plan
+        self.weights = weights
+        self.target = target
+        self.measure = measure
         info = torch.finfo(target)
         self.normal_min = float(info.tiny)  # below it a value is subnormal in the target dtype
         self.flush_below = flush_below(target)
@@ -86,7 +96,7 @@ class Recorder(TorchDispatchMode):
         self.names: list[str] = []
         self.modules_of: list[str] = []
         self.dtypes: list[torch.dtype] = []
-        self.rows: list[torch.Tensor] = []
+        self.rows: list[torch.Tensor | None] = []
         self.on = True
 
     @contextlib.contextmanager
@@ -127,32 +137,53 @@ class Recorder(TorchDispatchMode):
         outs = _floats(out)
         if not outs:
             return out
-        ins = _floats(list(args) + list((kwargs or {}).values()))
+        index = len(self.names)
         self.names.append(name)
         self.modules_of.append(self.stack[-1])
         self.dtypes.append(outs[0].dtype)
+        plan = self.plan
+        if not self.measure or (plan is not None and index < len(plan) and plan[index].name == name
+                                and plan[index].dtype != self.target):
+            self.rows.append(None)  # computed wider than the target dtype there: nothing to measure
+            return out
+        ins = [t for t in _floats(list(args) + list((kwargs or {}).values()))
+               if t.untyped_storage().data_ptr() not in self.weights]
         self.rows.append(self._row(ins, outs))
         return out
 
     def _row(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> torch.Tensor:
-        zero = torch.zeros((), device=outs[0].device)
+        """The op's statistics in a few passes over its output: each magnitude put in one of five buckets -- zero,
+        flushed by the target dtype, subnormal there, normal, sentinel (inf, nan, the dtype's own largest value: a
+        mask) -- counted at once; the largest normal one."""
+        device = outs[0].device
+        zero = torch.zeros((), device=device)
         in_max = torch.stack([magnitude(t)[0] for t in ins]).amax() if ins else zero
-        a, sentinel = magnitudes(outs)
-        nonzero = (a > 0) & ~sentinel
+        counts = torch.zeros(5, device=device)
+        out_max = zero
+        for t in outs:
+            a = t.detach().abs().flatten()
+            top = float(torch.finfo(t.dtype).max)
+            bounds = torch.tensor([0.0, self.flush_below, self.normal_min, top * (1 - 2**-20)], device=device,
+                                  dtype=a.dtype if a.dtype.itemsize >= 4 else torch.float32)
+            buckets = torch.bucketize(a if a.dtype == bounds.dtype else a.float(), bounds)
+            counts = counts + torch.bincount(buckets, minlength=5).float()
+            out_max = torch.maximum(out_max, a.masked_fill(buckets == 4, 0).amax().float())
         return torch.stack([
             in_max,
-            torch.where(sentinel, torch.zeros_like(a), a).amax() if a.numel() else zero,
-            nonzero.sum().float(),
-            (nonzero & (a < self.normal_min)).sum().float(),
-            (nonzero & (a < self.flush_below)).sum().float(),
-            (~torch.isfinite(a)).sum().float(),
+            out_max,
+            counts[1:4].sum(),  # nonzero values
+            counts[1:3].sum(),  # below the smallest normal: subnormal (or flushed)
+            counts[1],  # flushed to zero
+            counts[4],  # sentinels
         ])
 
     def read(self) -> list[OpRecord]:
-        """The recorded ops with their statistics (one host read)."""
+        """The recorded ops with their statistics (one host read; an op not measured has a row of zeros)."""
         if not self.rows:
             return []
-        table = torch.stack([r.to("cpu") for r in self.rows]).tolist()
+        measured = [r.to("cpu") for r in self.rows if r is not None]
+        values = iter(torch.stack(measured).tolist() if measured else [])
+        table = [next(values) if r is not None else [0.0] * 6 for r in self.rows]
         return [OpRecord(n, m, d, s) for n, m, d, s in zip(self.names, self.modules_of, self.dtypes, table)]
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .ops import FLUSHED, IN_MAX, NONFINITE, NONZERO, OUT_MAX, SUBNORMAL, OpRecord
+from .ops import FLUSHED, IN_MAX, NONZERO, OUT_MAX, SUBNORMAL
 from .probe import LOW_EXP, Probe
 
 RISK_FACTOR = 2.0  # within this factor of the dtype's largest value: at risk
@@ -202,11 +202,13 @@ def predict(probe: Probe) -> Prediction:
                       weights_at_risk, weights_flushed, scale, observed, notes)
 
 
+def predict_model(model, batch, target: torch.dtype = torch.float16, device: str = "cpu") -> Prediction:
+    """Measure ``model`` on ``batch`` (a dict of keyword arguments, or a tuple of positional ones, already on
+    ``device``) and predict, without searching a fix: what ``torchdoctor demo`` says before it trains."""
+    from .probe import run_probe
+
+    return predict(run_probe(model, batch, target, device))
+
+
 def _name(dtype: torch.dtype) -> str:
     return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
-
-
-def nonfinite_beyond_fp32(narrow: OpRecord, wide: OpRecord | None) -> bool:
-    """Did this op's target-dtype result hold more inf/nan than its fp32 result (masks filled with -inf are alike in
-    both)?"""
-    return narrow.stats[NONFINITE] > (wide.stats[NONFINITE] if wide is not None else 0)

@@ -20,6 +20,7 @@ from .ops import OpRecord, Recorder, flush_below, magnitude, paired
 
 #: the gradient histogram's bins: one per power of two, 2**LOW_EXP .. 2**HIGH_EXP (fp32's whole range)
 LOW_EXP, HIGH_EXP = -150, 130
+HIST_SAMPLE = 1 << 16  # gradient values per tensor put in the histogram
 
 
 @dataclass
@@ -29,7 +30,7 @@ class ModuleValues:
     out_max: float = 0.0  # fp32 pass: the largest finite output magnitude
     grad_max: float = 0.0  # fp32 pass: the largest gradient its outputs in the target dtype received
     narrow: bool = False  # the target dtype's pass: at least one floating output is in the target dtype
-    narrow_bad: bool = False  # the target dtype's pass: an output went inf/nan
+    narrow_bad: bool = False  # the target dtype's pass: an output went inf/nan (in any of its calls)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Probe:
     loss_note: str | None
     seconds: float
     notes: list[str] = field(default_factory=list)
+    first_bad_call: str | None = None
 
     @property
     def paired(self) -> bool:
@@ -55,8 +57,9 @@ class Probe:
 
     @property
     def first_narrow_bad(self) -> str | None:
-        """The first module whose output went non-finite in the target dtype's forward."""
-        return next((m.name for m in self.modules.values() if m.narrow_bad), None)
+        """The first module whose output went non-finite in the target dtype's forward (in the order the calls
+        returned: a module called twice, a final dropout, is placed by the call that went bad)."""
+        return self.first_bad_call
 
 
 def _floats(obj: Any) -> list[torch.Tensor]:
@@ -101,8 +104,12 @@ def _seeded(seed: int = 0) -> Iterator[None]:
 
 
 def _grad_row(g: torch.Tensor, hist: list[torch.Tensor]) -> torch.Tensor:
-    a = g.detach().abs().flatten().float()
-    nz = a[(a > 0) & torch.isfinite(a)]
+    """The gradient's largest magnitude (exact), its nonzero magnitudes added to ``hist`` (a strided sample of at
+    most :data:`HIST_SAMPLE` values per tensor: the histogram estimates shares, the peak is read in full)."""
+    flat = g.detach().flatten()
+    a = flat.abs().float()
+    sample = a if a.numel() <= HIST_SAMPLE else a[:: -(-a.numel() // HIST_SAMPLE)]
+    nz = sample[(sample > 0) & torch.isfinite(sample)]
     if nz.numel():
         hist.append(torch.histc(torch.log2(nz), bins=HIGH_EXP - LOW_EXP, min=LOW_EXP, max=HIGH_EXP))
     return torch.where(torch.isfinite(a), a, torch.full_like(a, float("inf"))).amax() if a.numel() else a.sum()
@@ -117,8 +124,9 @@ def run_probe(model: nn.Module, batch: Any, target: torch.dtype, device: str) ->
     notes: list[str] = []
 
     # 1. the target dtype: which ops compute in it, and where its forward goes non-finite
-    narrow = Recorder(target)
+    narrow = Recorder(target, measure=False)  # (only which dtype each op computes in)
     outs_dtype: dict[str, tuple[tuple[bool, ...], torch.Tensor]] = {}  # per output: in the target dtype; went bad
+    narrow_calls: list[tuple[str, torch.Tensor]] = []  # (module, its output went bad) per call, in return order
 
     def narrow_hook(name: str):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -128,7 +136,9 @@ def run_probe(model: nn.Module, batch: Any, target: torch.dtype, device: str) ->
         def measure(name: str, output: Any) -> None:
             ts = _floats(output)
             bad = torch.stack([~torch.isfinite(t).all() for t in ts]).any() if ts else torch.zeros((), dtype=bool)
-            outs_dtype[name] = (tuple(t.dtype == target for t in ts), bad)
+            before = outs_dtype.get(name)
+            outs_dtype[name] = (tuple(t.dtype == target for t in ts), bad if before is None else bad | before[1])
+            narrow_calls.append((name, bad))
         return hook
 
     handles = [m.register_forward_hook(narrow_hook(n)) for m, n in names.items()]
@@ -145,7 +155,8 @@ def run_probe(model: nn.Module, batch: Any, target: torch.dtype, device: str) ->
     narrow_loss_value = float(narrow_loss.float())
 
     # 2. fp32: every value's magnitude, and the gradients
-    fp32 = Recorder(target)
+    weights = {p.untyped_storage().data_ptr() for _, p in params}
+    fp32 = Recorder(target, plan=narrow_ops, weights=weights)
     out_max: dict[str, list[torch.Tensor]] = {}
     grad_max: dict[str, list[torch.Tensor]] = {}
     hist: list[torch.Tensor] = []
@@ -204,7 +215,8 @@ def run_probe(model: nn.Module, batch: Any, target: torch.dtype, device: str) ->
     peak = torch.stack(param_rows + counted).amax().view(1) if param_rows or counted else torch.zeros(1)
     read = torch.cat([torch.stack(flat).cpu() if flat else torch.zeros(0), peak.cpu(), total_hist.cpu(),
                       torch.stack(wrows).flatten().cpu() if wrows else torch.zeros(0),
-                      torch.stack([v[1] for v in outs_dtype.values()]).float().cpu() if outs_dtype else torch.zeros(0)
+                      torch.stack([v[1] for v in outs_dtype.values()]).float().cpu() if outs_dtype else torch.zeros(0),
+                      torch.stack([b for _, b in narrow_calls]).float().cpu() if narrow_calls else torch.zeros(0),
                       ]).tolist()
     vals, read = read[:len(keys) + len(gkeys)], read[len(keys) + len(gkeys):]
     for k, v in zip(keys, vals[:len(keys)]):
@@ -213,7 +225,9 @@ def run_probe(model: nn.Module, batch: Any, target: torch.dtype, device: str) ->
         modules.setdefault(k, ModuleValues(k, "?")).grad_max = v
     grad_peak, read = read[0], read[1:]
     grad_hist, read = read[:HIGH_EXP - LOW_EXP], read[HIGH_EXP - LOW_EXP:]
-    wvals, bad_flags = read[:2 * len(wrows)], read[2 * len(wrows):]
+    wvals, read = read[:2 * len(wrows)], read[2 * len(wrows):]
+    bad_flags, call_flags = read[:len(outs_dtype)], read[len(outs_dtype):]
+    first_bad_call = next((name for (name, _), bad in zip(narrow_calls, call_flags) if bad), None)
     weights = [(n, wvals[2 * i], wvals[2 * i + 1], p.numel()) for i, (n, p) in enumerate(params)]
     for (name, (narrow_outs, _)), bad in zip(outs_dtype.items(), bad_flags):
         m = modules.setdefault(name, ModuleValues(name, "?"))
@@ -222,4 +236,4 @@ def run_probe(model: nn.Module, batch: Any, target: torch.dtype, device: str) ->
     if not math.isfinite(loss_value):
         notes.append(f"the fp32 loss is {loss_value}: the model or the batch is broken before any precision question")
     return Probe(target, device, fp32.read(), narrow_ops, modules, grad_hist, grad_peak, weights, loss_value,
-                 narrow_loss_value, loss_note, time.perf_counter() - t0, notes)
+                 narrow_loss_value, loss_note, time.perf_counter() - t0, notes, first_bad_call)
