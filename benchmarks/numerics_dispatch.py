@@ -16,9 +16,10 @@ mid-size model's step is launch-bound, so the monitor's ops *are* its cost there
 * Host cost. A tiny T5 (d_model 32, d_ff 64, 4+4 layers, 2 heads, d_kv 16, vocab 128, batch 1, 8/8 tokens, SGD,
   one thread), where compute is negligible: the CPU picture of a launch-bound GPU step. Bare, each level (the
   default ``watch="boundaries"``, and ``watch="every-module"`` -- the default before issue 21 -- at each ``grads``),
-  transformers' ``DebugUnderflowOverflow``, and two floors (a no-op forward hook on every module; one
-  ``aminmax`` per module output), interleaved round-robin, thread CPU time (a busy machine inflates wall time,
-  not this). Reported as the median ratio to the bare step and microseconds per hooked module per step.
+  transformers' ``DebugUnderflowOverflow``, two floors (a no-op forward hook on every module; one ``aminmax`` per
+  module output), and ``headroom=True`` every 100 steps and every step, interleaved round-robin, thread CPU time (a
+  busy machine inflates wall time, not this). Reported as the median ratio to the bare step and microseconds per
+  hooked module per step.
 """
 
 from __future__ import annotations
@@ -51,13 +52,16 @@ MONITORS = {
     "every-module, none": {"watch": "every-module", "grads": "none"},
     "every-module, params": {"watch": "every-module", "grads": "params"},
     "every-module, modules": {"watch": "every-module", "grads": "modules"},
+    # headroom=True (issue 22): every 100th step watched every module (amortized), and every step (its own cost)
+    "headroom every 100": {"watch": "boundaries", "grads": "params", "headroom": True, "headroom_every": 100},
+    "headroom every step": {"watch": "boundaries", "grads": "params", "headroom": True, "headroom_every": 1},
 }
 
 
 def monitor(model, opt, options: dict):
     try:
         return NumericsMonitor(model, optimizer=opt, **options)
-    except TypeError:  # no watch= in this tree
+    except TypeError:  # no watch= (or headroom=) in this tree
         return NumericsMonitor(model, optimizer=opt, grads=options["grads"])
 
 

@@ -156,11 +156,13 @@ def test_a_script_with_its_own_monitor_is_left_to_it(tmp_path):
 
 def test_a_healthy_run_passes_with_the_options_given(tmp_path):
     rc, rep, err, got = switched(tmp_path, "plain", options=("--grads", "modules", "--trace-steps", "1", "--watch",
-                                                             "every-module", "--transient", "skip"))
+                                                             "every-module", "--transient", "skip",
+                                                             "--headroom-every", "2"))
     assert rc == 0 and rep["exit_code"] == 0
     assert "numerics.nonfinite" not in ids(rep)
     assert got[0]["steps_done"] == 5 and got[0]["error"] is None
-    assert "grads=modules, watch=every-module" in attached(rep)["data"]["attached"][0]["watching"]
+    watching = attached(rep)["data"]["attached"][0]["watching"]
+    assert "grads=modules, watch=every-module, headroom every 2 steps" in watching
     [run_dir] = (tmp_path / "torchdoctor-reports").iterdir()  # the run's own folder
     trace = [json.loads(line) for line in (run_dir / "torchdoctor-trace-rank0.jsonl").read_text().splitlines()]
     assert {t["step"] for t in trace} == {1}

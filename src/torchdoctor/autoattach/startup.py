@@ -20,7 +20,8 @@ from ..runvars import REPORT_DIR_VAR
 from . import markers, trainers
 from .imports import when_imported
 
-OPTION_NAMES = ("watch", "transient", "grads", "trace_steps", "abort_after_step", "report_dir")
+OPTION_NAMES = ("watch", "transient", "grads", "headroom", "headroom_every", "trace_steps", "abort_after_step",
+                "report_dir")
 
 
 def _line(text: str) -> None:

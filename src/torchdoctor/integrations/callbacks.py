@@ -37,6 +37,7 @@ def attach_monitor(model: Any, optimizer: Any, scaler: Any, *, report_dir: str, 
     kwargs = {"report_dir": os.environ.get(REPORT_DIR_VAR) or report_dir, "_via": via, **monitor_kwargs}
     monitor = NumericsMonitor(model, optimizer=optimizer, scaler=scaler, **kwargs)
     # what it runs inside (accelerate's DDP where FSDP was asked for, Lightning's strategy): said in the report
-    monitor.watching = describe(outermost_wrapper(model), monitor.optimizer, monitor.grads, monitor.watch_level)
+    monitor.watching = describe(outermost_wrapper(model), monitor.optimizer, monitor.grads, monitor.watch_level,
+                                monitor.headroom_every)
     monitor.warnings = warnings
     return monitor

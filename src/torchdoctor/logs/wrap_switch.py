@@ -1,11 +1,11 @@
 """``torchdoctor run --numerics``: the numerics monitor in every Python process of the command, no code change.
 
-The options (``--watch``, ``--grads``, ``--transient``, ``--trace-steps``, ``--abort-after-step``; any of them turns
-``--numerics`` on) go to
-the command's environment with the bootstrap (:mod:`torchdoctor.autoattach`), which each Python process loads at
-start-up and which attaches the monitor to what that process trains. After the run, what was attached is read
-back from the markers each process left in the report folder: a run where no Python process loaded the bootstrap
-(the command runs no Python, or resets ``PYTHONPATH``), or where one did but found nothing to watch, gets a note.
+The options (``--watch``, ``--grads``, ``--transient``, ``--headroom[-every]``, ``--trace-steps``,
+``--abort-after-step``; any of them turns ``--numerics`` on) go to the command's environment with the bootstrap
+(:mod:`torchdoctor.autoattach`), which each Python process loads at start-up and which attaches the monitor to what
+that process trains. After the run, what was attached is read back from the markers each process left in the report
+folder: a run where no Python process loaded the bootstrap (the command runs no Python, or resets ``PYTHONPATH``),
+or where one did but found nothing to watch, gets a note.
 """
 
 from __future__ import annotations
@@ -43,6 +43,13 @@ def step_number(text: str) -> int:
     return n
 
 
+def _every(text: str) -> int:
+    n = step_number(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of steps >= 1, got {text!r}")
+    return n
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "numerics (no code change)",
@@ -60,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--grads", choices=GRAD_LEVELS, default=None,
                        help="gradient checks: params (default: each parameter gradient once per step), modules "
                             "(also each module's output gradient: names the module whose backward broke), none")
+    group.add_argument("--headroom", action="store_const", const=True, default=None,
+                       help="warn once per module whose values come within 2x of its dtype's largest value, with "
+                            "the steps left at its rate (every --headroom-every steps watched every module)")
+    group.add_argument("--headroom-every", metavar="N", type=_every, default=None,
+                       help="steps between two headroom measurements (default 100; implies --headroom)")
     group.add_argument("--trace-steps", metavar="LIST", type=steps_list, default=None,
                        help="print every frame of these steps (from 0), e.g. 1,3")
     group.add_argument("--abort-after-step", metavar="N", type=step_number, default=None,
@@ -69,10 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options(args: argparse.Namespace, report_dir: str) -> dict[str, Any] | None:
     """The monitor's options for the command's processes, or None without ``--numerics`` (or an option of it)."""
     given = {name: getattr(args, name, None)
-             for name in ("watch", "transient", "grads", "trace_steps", "abort_after_step")}
+             for name in ("watch", "transient", "grads", "headroom", "headroom_every", "trace_steps",
+                          "abort_after_step")}
     if not getattr(args, "numerics", False) and all(v is None for v in given.values()):
         return None
     out = {k: v for k, v in given.items() if v is not None}
+    if "headroom_every" in out:
+        out["headroom"] = True
     out["report_dir"] = os.path.abspath(report_dir)
     return out
 

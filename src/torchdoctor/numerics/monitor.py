@@ -76,6 +76,7 @@ from .explain.causes import GrowthTrail
 from .explain.report import NonFiniteReport
 from .explain.trace import TraceWriter
 from .judge.closures import ClosureSteps
+from .judge.headroom import Headroom
 from .judge.judging import Judging
 from .judge.stepping import Stepping
 from .measure.buffers import BufferGuard
@@ -151,6 +152,12 @@ class NumericsMonitor(Recording, Stepping, Judging):
             of the device or a kernel): ``"raise"`` (default) a :class:`NonFiniteError` as for any other, or
             ``"skip"``: refuse that step's update (its gradients are dropped), record it in :attr:`transients`,
             warn, and go on. Needs the optimizer (the check must come before the update); never retries a step.
+        headroom (bool): warn once per module when its values come within 2x of its dtype's largest value, with
+            the trend (growth per 100 steps, steps left at that rate): every ``headroom_every``-th step is watched
+            every module, each module's largest value kept on the device; the warning is logged, raised as a
+            :class:`HeadroomWarning` and appended to ``torchdoctor-headroom[-rank<r>].jsonl`` in ``report_dir``;
+            the warnings so far are in :attr:`headroom_events`. Defaults to False.
+        headroom_every (int): the steps between two headroom measurements. Defaults to 100.
         scaler (optional): a loss scaler (``torch.amp.GradScaler``, DeepSpeed's ``DynamicLossScaler``,
             or anything with ``get_scale()`` and ``update()``). Its overflows are recorded in
             :attr:`overflows`, not raised, unless the scale falls below ``min_loss_scale`` (or reaches
@@ -182,6 +189,7 @@ class NumericsMonitor(Recording, Stepping, Judging):
             (:class:`NonFiniteWarning`, with the report's path); its update is applied and the run goes on.
         overflows (list[OverflowEvent]): steps a loss scaler skipped.
         transients (list[NonFiniteReport]): steps skipped with ``transient="skip"`` (their fault did not reproduce).
+        headroom_events (list[HeadroomEvent]): the headroom warnings given so far (``headroom=True``).
     """
 
     def __init__(
@@ -192,6 +200,8 @@ class NumericsMonitor(Recording, Stepping, Judging):
         grads: str = "params",
         watch: str = "boundaries",
         transient: str = "raise",
+        headroom: bool = False,
+        headroom_every: int = 100,
         scaler: Any = None,
         max_frames: int = 21,
         trace_steps: Iterable[int] | None = None,
@@ -210,7 +220,7 @@ class NumericsMonitor(Recording, Stepping, Judging):
             raise TypeError(f"NumericsMonitor needs an nn.Module, got {type(model).__name__}")
         traced = check_options(
             grads=grads, watch=watch, transient=transient, max_frames=max_frames, trace_steps=trace_steps,
-            abort_after_step=abort_after_step,
+            abort_after_step=abort_after_step, headroom=headroom, headroom_every=headroom_every,
             report_dir=report_dir, min_loss_scale=min_loss_scale,
             max_consecutive_overflows=max_consecutive_overflows, stream=stream,
         )
@@ -226,6 +236,7 @@ class NumericsMonitor(Recording, Stepping, Judging):
         self.grads = grads
         self.watch = watch
         self.transient = transient
+        self._headroom = Headroom(operator.index(headroom_every)) if headroom else None
         self.watching = describe(model, self.optimizer, grads)  # what it watches, in one line (watched.describe)
         self.max_frames = operator.index(max_frames)
         self.trace_steps = traced
@@ -296,7 +307,7 @@ class NumericsMonitor(Recording, Stepping, Judging):
         except BaseException:
             self.close()  # a refused or failed attach leaves no hook behind
             raise
-        self.watching = describe(model, self.optimizer, grads, self.watch_level)
+        self.watching = describe(model, self.optimizer, grads, self.watch_level, self.headroom_every)
 
     # ------------------------------------------------------------------ lifecycle
     def _attach(self) -> None:
@@ -355,6 +366,15 @@ class NumericsMonitor(Recording, Stepping, Judging):
         engine.attach_grad_watch(self)
         if not self._hf:  # transformers reports broken weights in the first forward's frames instead
             self._check_weights_once()
+
+    @property
+    def headroom_events(self) -> list:
+        return [] if self._headroom is None else list(self._headroom.events)
+
+    @property
+    def headroom_every(self) -> int | None:
+        """Steps between two headroom measurements; None without ``headroom=True``."""
+        return None if self._headroom is None else self._headroom.every
 
     @property
     def watch_level(self) -> str:

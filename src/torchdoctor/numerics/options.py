@@ -30,6 +30,8 @@ def check_options(
     grads: str = "params",
     watch: str = "boundaries",
     transient: str = "raise",
+    headroom: Any = False,
+    headroom_every: Any = 100,
     max_frames: int = 21,
     trace_steps: Any = None,
     abort_after_step: Any = None,
@@ -46,6 +48,10 @@ def check_options(
         raise ValueError(f"watch={watch!r} is not one of {', '.join(map(repr, WATCH_LEVELS))}")
     if transient not in TRANSIENT_ACTIONS:
         raise ValueError(f"transient={transient!r} is not one of {', '.join(map(repr, TRANSIENT_ACTIONS))}")
+    if not isinstance(headroom, bool):
+        raise TypeError(f"headroom must be True or False, got {headroom!r}")
+    if not _is_count(headroom_every) or headroom_every < 1:
+        raise ValueError(f"headroom_every must be an int >= 1 (steps), got {headroom_every!r}")
     if not _is_count(max_frames):
         raise ValueError(f"max_frames must be an int >= 0, got {max_frames!r}")
     listable = isinstance(trace_steps, Iterable) and not isinstance(trace_steps, (str, bytes))

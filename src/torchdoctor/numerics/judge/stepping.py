@@ -44,7 +44,8 @@ class Stepping:
     def _new_step(self, continued: bool = False) -> None:
         self._rec = StepRecord(continued=continued)
         if self._modules is not None:  # (attached) checked at its boundaries, unless this step is traced
-            self._rec.live = self._live_default or self._learning_entries or self.step_index in self.trace_steps
+            self._rec.live = self._live_default or self._learning_entries or self.step_index in self.trace_steps \
+                or (self._headroom is not None and self._headroom.due(self.step_index))
             self._set_live(self._rec.live)
             if not self._rec.live and self._found_entries:
                 self._add_entries(self._found_entries)  # (after the live hooks are gone: never two on one module)
@@ -180,10 +181,16 @@ class Stepping:
         stale = rec.empty and self._just_reported
         check_grads = self.grads != "none" and not stale and (source != "forward" or rec.backward_ran)
         grad_flags = self._engine.grad_flags(self._params, exact=False) if check_grads else []
-        ok, self._self_bad = self._verdict(act_ok, grad_flags + rec.stored_grad_flags())
-        if not ok and check_grads:  # the fast gradient check can overflow on huge finite values: ask exactly
-            ok, self._self_bad = self._verdict(act_ok, self._engine.grad_flags(self._params) + rec.stored_grad_flags())
         step = self.step_index
+        near = None  # headroom=True, on its steps: a module within 2x of its dtype's largest value (device)
+        if self._headroom is not None and rec.live and self._headroom.due(step):
+            near = self._headroom.collect(step, rec.frames, rec.buffer, judged)
+        ok, self._self_bad, near_set = self._verdict(act_ok, grad_flags + rec.stored_grad_flags(), near)
+        if not ok and check_grads:  # the fast gradient check can overflow on huge finite values: ask exactly
+            ok, self._self_bad, _ = self._verdict(act_ok, self._engine.grad_flags(self._params)
+                                                  + rec.stored_grad_flags())
+        if ok and near_set:
+            self._headroom.warn(self.rank, self.report_dir)
         if step in self.trace_steps:
             self._trace(step)
         if ok:
@@ -195,14 +202,21 @@ class Stepping:
         if abort_check and source != "skipped":
             self._check_abort_after(step)
 
-    def _verdict(self, act_ok: list[torch.Tensor], grad_ok: list[torch.Tensor]) -> tuple[bool, bool]:
-        """(everything finite on every rank, this rank's own values were not), from the activations' and the
-        gradients' on-device flags. The one host read of a healthy step."""
+    def _verdict(self, act_ok: list[torch.Tensor], grad_ok: list[torch.Tensor],
+                 near: torch.Tensor | None = None) -> tuple[bool, bool, bool]:
+        """(everything finite on every rank, this rank's own values were not, the headroom flag ``near``), from the
+        activations' and the gradients' on-device flags. The one host read of a healthy step (``near`` rides on it;
+        under several ranks it is read on its own, on headroom steps only)."""
         if self._sync_ranks:
-            return share_verdict(all_finite(act_ok), all_finite(grad_ok))
+            ok, self_bad = share_verdict(all_finite(act_ok), all_finite(grad_ok))
+            return ok, self_bad, near is not None and bool(near.item())
         both = all_finite(act_ok + grad_ok)  # (one stack for both)
+        if near is not None:  # both flags in one number, one read: bit 0 all finite, bit 1 near
+            ok_flag = both if both is not None else torch.ones((), dtype=torch.bool, device=near.device)
+            code = int((ok_flag.to(torch.int32) + 2 * near.to(device=ok_flag.device, dtype=torch.int32)).item())
+            return bool(code & 1), not code & 1, bool(code & 2)
         ok = True if both is None else bool(both.item())
-        return ok, not ok
+        return ok, not ok, False
 
     def _forward_unseen(self) -> None:
         """The optimizer steps, yet no forward was recorded: was the model compiled after we attached?

@@ -309,6 +309,15 @@ class StatBuffer:
         self.flush()  # the context groups too: a window must not keep a step's inputs alive in the history
         return {key: group.joined() for key, group in self._groups.items() if key[0] and group.count}
 
+    @property
+    def buffer_id(self) -> int:
+        """The buffer part of this buffer's StatRefs."""
+        return self._id
+
+    def rows_of(self, key: GroupKey) -> list[int]:
+        """Entry -> its row in the group's stacked tensor (host side: no read)."""
+        return self._groups[key].rows()
+
     def read(self) -> StatValues:
         """Host copy of every statistic (the report path; syncs once per group)."""
         stacked = self.stacked()

@@ -91,10 +91,12 @@ def outermost_wrapper(model: nn.Module) -> nn.Module:
     return best
 
 
-def describe(model: nn.Module, optimizer: Any, grads: str, watch: str | None = None) -> str:
+def describe(model: nn.Module, optimizer: Any, grads: str, watch: str | None = None,
+             headroom_every: int | None = None) -> str:
     """``GPT2LMHeadModel (124M params) with AdamW, DDP, grads=params, watch=boundaries`` for ``model`` as given to the
-    monitor (``watch``: the level its steps are watched at, when known)."""
+    monitor (``watch``: the level its steps are watched at, when known; ``headroom_every``: headroom=True)."""
     root = unwrap_model(model)
     parts = [f"{user_class_name(root)} ({human_count(parameter_count(root))} params)"]
     with_ = [type(optimizer).__name__ if optimizer is not None else "no optimizer", *wrappers_of(model)]
-    return f"{parts[0]} with {', '.join(with_)}, grads={grads}" + (f", watch={watch}" if watch else "")
+    return (f"{parts[0]} with {', '.join(with_)}, grads={grads}" + (f", watch={watch}" if watch else "")
+            + (f", headroom every {headroom_every} steps" if headroom_every else ""))
