@@ -33,6 +33,7 @@ CASES = {
     "logs": (["logs", "--json", str(LOGS / "hf_trainer_nan.log")], {1}),
     "logs, two files": (["logs", "--json", str(LOGS / "clean_run.log"), str(LOGS / "nccl_timeout.log")], {1}),
     "run": (["run", "--json", "-", "--", sys.executable, "-c", "pass"], {0}),
+    "precision": (["precision", "torchdoctor.demo.model:precision_case", "--json"], {1}),  # the demo's overflow
 }
 
 
@@ -69,7 +70,8 @@ def test_demo_json_findings_say_what_happened(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = strict_loads(proc.stdout)
     ids = {f["id"]: f for f in doc["findings"]}
-    assert set(ids) == {"demo.overflow-caught", "demo.fix-works"}
+    assert set(ids) == {"demo.overflow-caught", "demo.prediction", "demo.fix-works"}
+    assert ids["demo.prediction"]["severity"] == "ok"  # the monitor named the module precision predicted
     caught = ids["demo.overflow-caught"]
     assert caught["severity"] == "ok" and "encoder.block.2.layer.1" in caught["title"]
     assert caught["fix"] == ["torchdoctor.keep_fp32(model, 'encoder.block.2.layer.1')"]

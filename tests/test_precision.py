@@ -191,6 +191,29 @@ def test_pickled_weights_are_refused_and_text_needs_a_tokenizer(tmp_path, capsys
     assert rc == 2 and "at most 64 positions" in err
 
 
+def test_text_is_tokenized_by_the_folders_tokenizer_and_encoder_decoder_models_get_decoder_inputs(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration, T5Model
+
+    folder = saved(tmp_path, gpt2())
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "[PAD]": 1, "hello": 2, "world": 3}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(folder)
+    (tmp_path / "text.txt").write_text("hello world\nworld hello hello\n")
+    rc, out, _ = cli([folder, "--batch", str(tmp_path / "text.txt"), "--json"], capsys)
+    result = json.loads(out)
+    assert rc == 0 and result["batch"] == ("2 row(s) of --batch text.txt, tokenized by the folder's tokenizer, up to "
+                                           "3 tokens")
+    torch.manual_seed(0)
+    config = T5Config(d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=16, vocab_size=64,
+                      decoder_start_token_id=0, pad_token_id=0)
+    for model in (T5ForConditionalGeneration(config), T5Model(config)):  # labels; decoder_input_ids
+        rc, out, _ = cli([saved(tmp_path, model, type(model).__name__), "--seq-len", "8", "--json"], capsys)
+        result = json.loads(out)
+        assert rc == 0 and result["verdict"] == "safe" and result["paired"]
+        assert result["model"].startswith(type(model).__name__)
+
+
 def test_the_search_widens_a_region_until_the_forward_and_backward_are_clean():
     model = gpt2(1000.0)
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))

@@ -17,6 +17,7 @@ _LAZY = {
     "NonFiniteError": "torchdoctor.numerics.errors",
     "NonFiniteWarning": "torchdoctor.numerics.errors",
     "AbortAfterStep": "torchdoctor.numerics.errors",
+    "HeadroomWarning": "torchdoctor.numerics.judge.headroom",
     "detect_overflow": "torchdoctor.numerics.overflow",
     "keep_fp32": "torchdoctor.numerics.fp32",
     "mark": "torchdoctor.numerics.monitor",
@@ -29,12 +30,13 @@ if TYPE_CHECKING:
     from .integrations.lightning import LightningNumericsCallback
     from .numerics.errors import AbortAfterStep, NonFiniteError, NonFiniteWarning
     from .numerics.fp32 import keep_fp32
+    from .numerics.judge.headroom import HeadroomWarning
     from .numerics.monitor import NumericsMonitor, mark
     from .numerics.overflow import detect_overflow
 
 
 _SUBMODULES = ("cli", "comm", "compat", "deepspeed", "demo", "env", "findings", "logs", "integrations", "numerics",
-               "syncs")
+               "precision", "syncs")
 
 
 def __getattr__(name: str) -> Any:
@@ -49,5 +51,5 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY, *_SUBMODULES})
 
 
-__all__ = ["AbortAfterStep", "LightningNumericsCallback", "NonFiniteError", "NonFiniteWarning", "NumericsCallback",
-           "NumericsMonitor", "__version__", "detect_overflow", "keep_fp32", "mark"]
+__all__ = ["AbortAfterStep", "HeadroomWarning", "LightningNumericsCallback", "NonFiniteError", "NonFiniteWarning",
+           "NumericsCallback", "NumericsMonitor", "__version__", "detect_overflow", "keep_fp32", "mark"]

@@ -279,10 +279,12 @@ def _batch(model: Any, cfg: Any, folder: str, batch_file: str | None, seq_len: i
         what = f"{len(rows)} row(s) of --batch {os.path.basename(batch_file)}, {how}, up to {width} tokens"
     batch: dict = {"input_ids": ids, "attention_mask": mask}
     params = inspect.signature(model.forward).parameters
-    if "labels" in params:
+    if "labels" in params:  # (an encoder-decoder model derives its decoder inputs from them)
         batch["labels"] = ids.masked_fill(mask == 0, -100)
     else:
         what += " (the model takes no labels)"
+        if "decoder_input_ids" in params:  # an encoder-decoder model without a head: its decoder needs inputs too
+            batch["decoder_input_ids"] = ids
     return {k: v for k, v in batch.items() if k in params or "kwargs" in params}, what
 
 

@@ -169,13 +169,11 @@ def judge(prediction, fix, verified: int | None, dtype: str) -> list[Finding]:
     if prediction.at_risk:
         out.append(Finding(
             "precision.at-risk", "warn",
-            f"{len(prediction.at_risk)} module(s) compute {dtype} values within {RISK_FACTOR:g}x of its largest "
-            f"({top}): {prediction.at_risk[0].module} at {prediction.at_risk[0].peak:.3g}",
+            f"{len(prediction.at_risk)} module(s) compute {dtype} values within {RISK_FACTOR:g}x of {dtype}'s largest "
+            f"value ({top}): {prediction.at_risk[0].module} at {prediction.at_risk[0].peak:.3g}",
             [f"{s.module} ({s.cls}): {s.op} {s.peak:.3g}, headroom {s.headroom:.2f}x ({s.bits:+.1f} bits)"
              for s in prediction.at_risk[:_SHOWN]],
-            (fix_lines if not prediction.overflow else []) or ["watch them while training: "
-                                                               "NumericsMonitor(model, optimizer) names the first "
-                                                               "that overflows"],
+            _at_risk_fix(prediction, fix, fix_lines),
             {"modules": [s.module for s in prediction.at_risk]}))
     if prediction.weights_at_risk:
         out.append(Finding("precision.weights-at-risk", "warn",
@@ -216,6 +214,18 @@ def judge(prediction, fix, verified: int | None, dtype: str) -> list[Finding]:
                               f"{RISK_FACTOR:g}x of its largest ({top}) on this batch"))
     order = {"fail": 0, "warn": 1, "ok": 2, "info": 3, "skip": 4}
     return sorted(out, key=lambda f: order[f.severity])
+
+
+def _at_risk_fix(prediction, fix, fix_lines: list[str]) -> list[str]:
+    watch = ["watch them while training: NumericsMonitor(model, optimizer, headroom=True) warns before one "
+             "overflows, with the steps left"]
+    if not fix_lines:
+        return watch
+    if prediction.overflow:  # the fix is on the overflow finding; say whether it covers these too
+        covered = all(any(s.module == r or s.module.startswith(r + ".") for r in fix.regions)
+                      for s in prediction.at_risk)
+        return ["the fix above keeps them in fp32"] if covered else watch
+    return fix_lines
 
 
 def _a(dtype: str) -> str:
