@@ -4,7 +4,9 @@ How it gets there: ``run`` puts :data:`BOOT_DIR` first on the command's ``PYTHON
 as JSON, in :data:`OPTIONS_VAR`. Every Python process started below it (``python train.py``, each ``torchrun``
 rank, ``accelerate launch``, ``deepspeed``, ``srun``) inherits both and imports ``sitecustomize`` from
 :data:`BOOT_DIR` at start-up (:mod:`site` does so for whatever is on ``sys.path``); that file chains to the
-``sitecustomize`` it hides, and with :data:`OPTIONS_VAR` unset it imports nothing at all.
+``sitecustomize`` it hides, and with :data:`OPTIONS_VAR` and :data:`FLIGHT_VAR` unset it imports nothing at all.
+:data:`FLIGHT_VAR` (every ``torchdoctor run`` sets it, unless ``--no-flight``) installs :mod:`.flight` instead:
+a distributed process writes its Flight Recorder dump as it ends badly.
 
 What it attaches to (:mod:`.startup`): the HF ``Trainer`` (the callback added), Lightning's ``Trainer`` (its
 callback added), the engine ``deepspeed.initialize`` returns, or in a plain loop the model whose parameters the
@@ -27,8 +29,15 @@ BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot")
 #: ``abort_after_step``), with ``path``: where the ``torchdoctor`` package can be imported from; or ``1``: the
 #: defaults, reports in ``$TORCHDOCTOR_REPORT_DIR`` (else the working directory) -- a value one can write by hand
 OPTIONS_VAR = "TORCHDOCTOR_NUMERICS"
+#: ``torchdoctor run``'s flight hook (:mod:`.flight`), as JSON: ``report_dir`` and ``path``
+FLIGHT_VAR = "TORCHDOCTOR_FLIGHT"
 
-__all__ = ["BOOT_DIR", "OPTIONS_VAR", "child_environment", "markers"]
+__all__ = ["BOOT_DIR", "FLIGHT_VAR", "OPTIONS_VAR", "child_environment", "markers", "package_parent"]
+
+
+def package_parent() -> str:
+    """The folder the ``torchdoctor`` package is imported from (for a bootstrap in a process that lacks it)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def child_environment(options: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, str]:
@@ -37,7 +46,6 @@ def child_environment(options: Mapping[str, Any], env: Mapping[str, str]) -> dic
     out = dict(env)
     parts = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != BOOT_DIR]
     out["PYTHONPATH"] = os.pathsep.join([BOOT_DIR, *parts])
-    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # markers: `run` reads them back (and removes them); a switch written by hand leaves none
-    out[OPTIONS_VAR] = json.dumps({**options, "path": package_parent, "markers": True}, sort_keys=True)
+    out[OPTIONS_VAR] = json.dumps({**options, "path": package_parent(), "markers": True}, sort_keys=True)
     return out

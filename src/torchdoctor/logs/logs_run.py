@@ -118,13 +118,21 @@ def run(args: argparse.Namespace) -> int:
     results: list[tuple[str, Any]] = []
     unreadable = 0
     for path in args.files:
+        if path != "-" and os.path.isdir(path):
+            from ..comm.hang import FolderReport
+
+            folder = FolderReport.read(path)
+            if folder is not None:
+                results.append((path, folder))
+                continue
         try:
             results.append((path, _analyze(path)))
         except NotALog as e:
             print(f"torchdoctor logs: {e.strerror}", file=sys.stderr)
             unreadable += 1
         except IsADirectoryError:
-            print(f"torchdoctor logs: {path}: is a directory; pass the log files in it", file=sys.stderr)
+            print(f"torchdoctor logs: {path}: is a directory, and holds no Flight Recorder dumps; pass the log files "
+                  "in it", file=sys.stderr)
             unreadable += 1
         except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
@@ -147,6 +155,10 @@ def run(args: argparse.Namespace) -> int:
         if i:
             print()
         name = "standard input" if path == "-" else path
+        if not hasattr(report, "timeline"):  # a folder of Flight Recorder dumps
+            print(f"torchdoctor logs: {name} ({report.describe()})")
+            print(render_text(report.findings, color=use_color(sys.stdout)))
+            continue
         dropped = f", {report.timeline_dropped} more not kept" if report.timeline_dropped else ""
         print(f"torchdoctor logs: {name} ({report.lines} lines, {len(report.timeline)} events{dropped})")
         if report.timeline:

@@ -88,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "finding (created if missing; exported to the command as TORCHDOCTOR_REPORT_DIR). "
                              "Default: a new folder per run, ./torchdoctor-reports/run-<date>-<time>-<pid>, made only "
                              "when there is a report to write")
+    parser.add_argument("--no-flight", action="store_true",
+                        help="leave PyTorch's Flight Recorder as it is: by default a distributed job runs with it on "
+                             "and each rank writes its records as it ends badly, for the comm.hang finding (which "
+                             "rank never entered which collective, and where each side was)")
     from .wrap_switch import add_arguments as add_numerics_arguments
 
     add_numerics_arguments(parser)
@@ -172,15 +176,27 @@ def run(args: argparse.Namespace) -> int:
         numerics = wrap_switch.options(args, report_dir)
         started = time.time()
         try:
-            env = wrap_switch.environment(numerics) if numerics is not None else None
-            result = run_command(cmd, log_file=log_file, interval=interval, report_dir=report_dir, env=env)
+            env = wrap_switch.environment(numerics) if numerics is not None else {}
+            prefix = None
+            if not getattr(args, "no_flight", False):
+                from . import wrap_flight
+
+                more, prefix = wrap_flight.environment(report_dir, {**os.environ, **env})
+                env = {**env, **more}
+                os.makedirs(report_dir, exist_ok=True)  # (NCCL's own dump on a timeout needs the folder)
+            result = run_command(cmd, log_file=log_file, interval=interval, report_dir=report_dir, env=env or None)
         except WrapError as e:
             _say(str(e))
             return e.exit_code
+        except OSError as e:
+            _say(f"cannot create the report folder {report_dir}: {e.strerror or e}")
+            return EXIT_USAGE
         if numerics is not None:
             result.findings.append(wrap_switch.attach_finding(report_dir, started))
-            if not existed:  # a folder that only held the markers goes again (made only for a report)
-                _remove_empty(report_dir, os.path.dirname(report_dir) if default_dir else None)
+        if prefix is not None:
+            result.findings += wrap_flight.findings(report_dir, prefix)
+        if not existed:  # a folder that holds nothing goes again (made only for a report)
+            _remove_empty(report_dir, os.path.dirname(report_dir) if default_dir else None)
 
         shown = [f for f in result.findings if f.severity != "skip"]
         print(f"\n--- torchdoctor run: {cmdline(cmd)} ---", file=sys.stderr)

@@ -1,10 +1,11 @@
-"""torchdoctor's start-up hook for ``torchdoctor run --numerics``: on ``PYTHONPATH`` only while such a run goes on.
+"""torchdoctor's start-up hook for ``torchdoctor run``: on ``PYTHONPATH`` only while such a run goes on.
 
-With ``TORCHDOCTOR_NUMERICS`` set (to ``run``'s JSON options, or to ``1`` for the defaults), it installs
-``torchdoctor.autoattach.startup`` (import hooks, nothing heavy); either way it then runs the ``sitecustomize`` it
-hides on ``sys.path`` (a distribution's, a virtual environment's, the user's), whose errors Python reports as it
-would have. Nothing of torchdoctor's own ever stops the process: it says so in one line and the program runs
-without the monitor.
+With ``TORCHDOCTOR_FLIGHT`` set it installs ``torchdoctor.autoattach.flight`` (a distributed process dumps its
+Flight Recorder records as it ends badly). With ``TORCHDOCTOR_NUMERICS`` set (to ``run``'s JSON options, or to
+``1`` for the defaults), it installs ``torchdoctor.autoattach.startup`` (import hooks, nothing heavy). Either way it
+then runs the ``sitecustomize`` it hides on ``sys.path`` (a distribution's, a virtual environment's, the user's),
+whose errors Python reports as it would have. Nothing of torchdoctor's own ever stops the process: it says so in
+one line and the program runs without it.
 """
 
 import os as _os
@@ -29,6 +30,24 @@ def _torchdoctor_start() -> None:
         _sys.stderr.write(f"[torchdoctor] --numerics is off in this process: {type(e).__name__}: {e}\n")
 
 
+def _torchdoctor_flight() -> None:
+    raw = _os.environ.get("TORCHDOCTOR_FLIGHT", "").strip()
+    if not raw.startswith("{"):
+        return
+    try:
+        import importlib.util
+        import json
+
+        options = json.loads(raw)
+        if importlib.util.find_spec("torchdoctor") is None and options.get("path"):
+            _sys.path.append(options["path"])
+        from torchdoctor.autoattach import flight
+
+        flight.install(options)
+    except Exception as e:  # (never the program's failure)
+        _sys.stderr.write(f"[torchdoctor] the flight recorder hook is off in this process: {type(e).__name__}: {e}\n")
+
+
 def _hidden_sitecustomize() -> None:
     import importlib.machinery
     import importlib.util
@@ -44,4 +63,5 @@ def _hidden_sitecustomize() -> None:
 
 
 _torchdoctor_start()
+_torchdoctor_flight()
 _hidden_sitecustomize()
