@@ -156,7 +156,7 @@ def test_a_log_directory_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torchdoctor", "logs", str(tmp_path)], capture_output=True,
                           text=True, timeout=120, env=ENV)
     assert one_line_usage_error(proc.returncode, proc.stdout, proc.stderr, "torchdoctor logs: ") == \
-        f"torchdoctor logs: {tmp_path}: is a directory; pass the log files in it"
+        f"torchdoctor logs: {tmp_path}: is a directory, and holds no Flight Recorder dumps; pass the log files in it"
 
 
 def test_ds_check_from_a_terminal_says_it_is_reading_standard_input():

@@ -49,6 +49,8 @@ def child_argv(opts: Options) -> list[str]:
     if opts.bench:
         argv += ["--bench", "--sizes", ",".join(str(s) for s in opts.sizes), "--iters", str(opts.iters),
                  "--warmup", str(opts.warmup), "--dtype", opts.dtype]
+    if opts.pairs:
+        argv += ["--pairs", "--pair-size", str(opts.pair_size), "--pair-iters", str(opts.pair_iters)]
     if opts.nccl_debug:
         argv += ["--nccl-debug", opts.nccl_debug]
     if opts.nccl_debug_subsys:

@@ -31,6 +31,7 @@ EXAMPLES = [
      "two nodes (static)"),
     ("srun --ntasks-per-node 8 python -m torchdoctor comm", "SLURM, one task per GPU"),
     ("torchdoctor comm --local 2 --bench --sizes 1M:256M", "bandwidth, as nccl-tests reports it"),
+    ("torchrun --nnodes 8 --nproc_per_node 8 ... -m torchdoctor comm --pairs", "every link, the slow ones named"),
 ]
 EXIT_CODES = [(0, "every rank passed"), (1, "a rank is missing, broken or stuck"), (EXIT_USAGE, "bad usage"),
               (130, "interrupted (Ctrl-C)"),
@@ -67,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--iters", default="20", help="timed iterations per size (default: 20)")
     bench.add_argument("--warmup", default="5", help="untimed iterations first (default: 5)")
     bench.add_argument("--dtype", default="float32", choices=DTYPES, help="element type (default: float32)")
+    links = parser.add_argument_group("links")
+    links.add_argument("--pairs", action="store_true",
+                       help="after the checks, the point-to-point bandwidth of every pair of ranks, both directions, "
+                            "in rounds of disjoint pairs (N-1 rounds for N ranks); names the links far below the "
+                            "median of their kind (same host, other host, NVLink, PCIe)")
+    links.add_argument("--pair-size", default="8M", help=f"message size for --pairs (default 8M; {UNITS_HELP})")
+    links.add_argument("--pair-iters", default="5", help="timed messages per direction of a pair (default 5)")
 
 
 def _usage(message: str) -> int:
@@ -100,9 +108,21 @@ def _options(args: argparse.Namespace) -> Options | str:
         sizes = parse_sizes(args.sizes)
     except SizeError as e:
         return f"--sizes: {e}"
+    try:
+        pair_sizes = parse_sizes(str(args.pair_size))
+    except SizeError as e:
+        return f"--pair-size: {e}"
+    if len(pair_sizes) != 1:
+        return f"--pair-size takes one size, got {args.pair_size!r}"
+    pair_iters = count("--pair-iters", args.pair_iters)
+    if isinstance(pair_iters, str):
+        return pair_iters
+    if pair_iters < 1:
+        return "--pair-iters must be at least 1"
     return Options(backend=args.backend, timeout=timeout, json=args.json, bench=args.bench, sizes=sizes,
                    iters=iters, warmup=warmup, dtype=args.dtype, nccl_debug=args.nccl_debug,
-                   nccl_debug_subsys=args.nccl_debug_subsys)
+                   nccl_debug_subsys=args.nccl_debug_subsys, pairs=args.pairs, pair_size=pair_sizes[0],
+                   pair_iters=pair_iters)
 
 
 def _nothing_to_test(world: int, backend: str, has_cuda: bool) -> str | None:

@@ -79,6 +79,9 @@ class Options:
     dtype: str = "float32"
     nccl_debug: str | None = None
     nccl_debug_subsys: str | None = None
+    pairs: bool = False
+    pair_size: int = 8 << 20
+    pair_iters: int = 5
 
 
 def summary_text(world: int, backend: str, rows: list[dict], findings: list[Finding], bench_text: str = "",
@@ -112,6 +115,8 @@ class RankSession:
         self._posted_ok = False
         self._printed = False
         self.bench_results: list = []
+        self.pair_links: list = []
+        self.idents: dict = {}
         self.usage_error = False
         self._armed_at = 0.0
         self._die_at = injected_death(os.environ.get(TEST_DIE_ENV), launch.rank)
@@ -287,7 +292,8 @@ class RankSession:
         findings = [f for f in cross if f.severity == "fail"] + findings + [f for f in cross if f.severity != "fail"]
         if not any(f.severity == "fail" for f in findings) and all(r["stage"] == "done" for r in rows):
             stages = "join, init, device, all_reduce, all_gather, broadcast" + (
-                ", ring" if self.launch.world_size > 1 else "") + ", barrier" + (", bench" if self.opts.bench else "")
+                ", ring" if self.launch.world_size > 1 else "") + ", barrier" + (", bench" if self.opts.bench else "") \
+                + (", pairs" if self.opts.pairs and self.launch.world_size > 1 else "")
             findings.insert(0, Finding("comm.ok", "ok", f"all {len(rows)} ranks passed every stage ({stages})",
                                        data={"backend": self.backend}))
         if self.opts.bench and self.launch.world_size == 1:
@@ -297,6 +303,10 @@ class RankSession:
                 evidence=["with a single rank every collective is a local no-op (NCCL returns in ~20 us whatever "
                           "the size), and the nccl-tests factor for broadcast is 1 at any rank count"],
                 fix=["measure links with 2 or more ranks: torchrun --nproc_per_node 2 -m torchdoctor comm --bench"]))
+        if self.pair_links:
+            from .pairs import findings as pair_findings
+
+            findings += pair_findings(self.pair_links)
         code = EXIT_USAGE if self.usage_error else (
             EXIT_PROBLEMS if any(f.severity == "fail" for f in findings) else EXIT_OK)
         return rows, findings, code, snap
@@ -323,9 +333,17 @@ class RankSession:
                    "launch": self.launch.mode, "ranks": rows, "findings": [f.to_json() for f in findings]}
             if self.opts.bench:
                 out["bench"] = [b.to_json() for b in self.bench_results]
+            if self.opts.pairs:
+                out["pairs"] = {"bytes": self.opts.pair_size, "iters": self.opts.pair_iters,
+                                "links": [x.to_json() for x in self.pair_links]}
             print(dumps(out))
         else:
             bench = render_bench(self.bench_results, self.launch.world_size) if self.bench_results else ""
+            if self.pair_links:
+                from .pairs import render as render_pairs
+
+                bench = "\n\n".join(t for t in (bench, render_pairs(self.pair_links, self.launch.world_size,
+                                                                      self.opts.pair_size, self.opts.pair_iters)) if t)
             text = summary_text(self.launch.world_size, self.backend, rows, findings, bench, use_color(sys.stdout))
             print("\n".join(prefix + line for line in text.splitlines()) if prefix else text)
         sys.stdout.flush()
@@ -364,7 +382,7 @@ class RankSession:
             if missing:
                 self.fail("timeout", f"ranks {', '.join(map(str, sorted(missing)))} did not join within "
                                      f"{self.opts.timeout:g} s of the last rank that did")
-        idents = {r: ch.get(f"id/{r}") for r in range(n)}
+        idents = self.idents = {r: ch.get(f"id/{r}") for r in range(n)}
         self.backend = self._resolve_backend(idents)
         if rank == 0:
             ch.put("backend", self.backend)
@@ -396,6 +414,8 @@ class RankSession:
             dist.barrier()
         if self.opts.bench:
             self._bench(torch, dist, comm_device)
+        if self.opts.pairs and n > 1:
+            self._pairs(torch, dist, comm_device)
         with self.run_stage("done"):
             ch.post_final("ok", "done")
             self._posted_ok = True
@@ -421,6 +441,26 @@ class RankSession:
                 on_item=lambda op, nbytes: self.enter("bench", f"{op} {format_bytes(nbytes)}"),
                 on_iter=self.touch, progress=progress,
             )
+
+    def _pairs(self, torch, dist, device) -> None:
+        from . import pairs
+
+        rank, n = self.launch.rank, self.launch.world_size
+        t0 = time.monotonic()
+
+        def on_round(k: int, total: int, what: str) -> None:
+            self.enter("pairs", f"round {k + 1}/{total} ({what})")
+            if rank == 0:
+                print(f"[pairs] round {k + 1}/{total} ({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
+
+        with self.run_stage("pairs"):
+            got = pairs.measure(torch, dist, device, rank, n, self.opts.pair_size, self.opts.pair_iters, 1,
+                                on_round, self.touch)
+        with self.run_stage("pairs", "gather"):
+            everyone: list = [None] * n
+            dist.all_gather_object(everyone, [[s, d, t] for (s, d), t in got.items()])
+        measured = {(s, d): t for part in everyone for s, d, t in part or ()}
+        self.pair_links = pairs.links(measured, self.opts.pair_size, self.idents)
 
     def _resolve_backend(self, idents: dict) -> str:
         have = {r: bool(i and i.get("cuda_devices")) for r, i in idents.items()}

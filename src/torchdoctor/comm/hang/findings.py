@@ -50,7 +50,9 @@ def hang_findings(dumps: Dumps, partings: list[Parting], source: str) -> list[Fi
         call = p.call
         what = f"collective {p.seq}" + (f" ({call.shape()})" if call else "")
         if p.missing:
-            last = ", ".join(f"rank {r}: {p.last_entered.get(r) or 'none'}" for r in p.missing if r in p.last_entered)
+            last = ", ".join(f"rank {r}: {p.last_entered.get(r) or 'none'}" + (
+                f" (completed: {p.last_completed[r]})" if p.last_completed.get(r) is not None else "")
+                for r in p.missing if r in p.last_entered)
             title = (f"the job hung in process group {p.group} at {what}: {_ranks(p.missing)} never entered it"
                      + (f"; {_ranks(p.waiting)} wait in it" if p.waiting else ""))
             evidence = []
