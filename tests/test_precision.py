@@ -189,6 +189,12 @@ def test_pickled_weights_are_refused_and_text_needs_a_tokenizer(tmp_path, capsys
     assert rc == 2 and "token id 999 is outside the vocabulary (0..255)" in err
     rc, _, err = cli([good, "--seq-len", "999"], capsys)
     assert rc == 2 and "at most 64 positions" in err
+    rc, _, err = cli([good, "--device", "bogus"], capsys)
+    assert rc == 2 and err.startswith("torchdoctor precision: --device bogus: ") and "Traceback" not in err
+    with pytest.MonkeyPatch.context() as mp:  # (a machine without CUDA, whatever this one has)
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        rc, _, err = cli([good, "--device", "cuda"], capsys)
+    assert rc == 2 and "torch sees no CUDA device here" in err
 
 
 def test_text_is_tokenized_by_the_folders_tokenizer_and_encoder_decoder_models_get_decoder_inputs(tmp_path, capsys):

@@ -77,10 +77,13 @@ def _run(args: argparse.Namespace) -> int:
     from .probe import run_probe
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise PrecisionUsageError(f"--device {device}: torch sees no CUDA device here (torch "
+                                  f"{torch.__version__}); use --device cpu")
     try:
         torch.empty(0, device=device)
-    except (RuntimeError, ValueError) as e:
-        raise PrecisionUsageError(f"--device {device}: {str(e).splitlines()[0]}") from None
+    except (RuntimeError, ValueError, AssertionError) as e:
+        raise PrecisionUsageError(f"--device {device}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
     target = getattr(torch, DTYPES[args.dtype])
     stage = ["loading the model"]
     times: dict[str, float] = {}
