@@ -34,6 +34,9 @@ def main(mode: str) -> None:
         slow_path()
     elif mode == "mismatch" and rank == 1:
         dist.broadcast(t, src=0)
+    elif mode == "raise" and rank == 1:
+        time.sleep(0.5)
+        raise ValueError("a bad batch on rank 1")
     else:
         second_step(t)
     dist.destroy_process_group()

@@ -69,10 +69,20 @@ def test_one_slow_link_is_named_with_its_hosts_and_devices_and_classes_are_judge
     assert "0->3 (node0 cuda:0 -> node1 cuda:1) 3 GB/s" in found["comm.slow-link"].title
 
 
+def test_a_pair_option_alone_turns_pairs_on_and_the_matrix_columns_never_touch():
+    proc = subprocess.run([sys.executable, *COMM, "--local", "2", "--timeout", str(TIMEOUT), "--pair-iters", "1",
+                           "--pair-size", "64K"], capture_output=True, text=True, timeout=3 * TIMEOUT, env=_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = proc.stdout.split("row sends to column:\n")[1].splitlines()[1:3]
+    assert [row.split()[:2] for row in rows][0][1] == "-" and len(rows[0].split()) == 3  # "0  -  x.xx"
+
+
 def test_bad_pair_options_are_usage_errors():
     for args, says in ((["--pair-size", "1M,2M"], "--pair-size takes one size"),
                        (["--pair-iters", "0"], "--pair-iters must be at least 1"),
-                       (["--pair-size", "lots"], "--pair-size:")):
+                       (["--pair-size", "lots"], "--pair-size:"),
+                       (["--pair-size", "1K"], "--pair-size must be from 64K"),
+                       (["--pair-size", "100G"], "--pair-size must be from 64K")):
         proc = subprocess.run([sys.executable, *COMM, "--local", "2", "--pairs", *args], capture_output=True,
                               text=True, timeout=60, env=_env())
         assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr

@@ -20,9 +20,9 @@ WORKER = os.path.join(HERE, "hang_worker.py")
 TORCHRUN = (PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node")
 
 
-def hung(tmp_path, mode: str, ranks: int = 3, *extra: str):
+def hung(tmp_path, mode: str, ranks: int = 3, *extra: str, **env: str):
     return torchdoctor_run(tmp_path, "--report-dir", str(tmp_path / "rep"), *extra, "--", *TORCHRUN, str(ranks),
-                           WORKER, mode, timeout=180, OMP_NUM_THREADS="1")
+                           WORKER, mode, timeout=180, OMP_NUM_THREADS="1", **env)
 
 
 def test_the_rank_that_skipped_a_collective_is_named_with_both_stacks(tmp_path):
@@ -53,6 +53,24 @@ def test_a_collective_called_differently_is_a_mismatch(tmp_path):
     mismatch = the(rep, "comm.collective-mismatch")
     assert mismatch["data"]["state"] == "COLLECTIVE_TYPE_MISMATCH" and mismatch["data"]["seq"] == 2
     assert "broadcast" in mismatch["evidence"][1] and "all_reduce" in mismatch["evidence"][0]
+
+
+def test_a_rank_that_raised_is_named_and_every_rank_stopped_meanwhile_still_dumps(tmp_path):
+    """torchrun's SIGTERM reaches the other ranks while they write their exception-time dumps: it waits for them."""
+    rc, rep, _, err = hung(tmp_path, "raise")
+    hang = the(rep, "comm.hang")
+    assert hang["data"]["missing"] == [1] and hang["data"]["waiting"] == [0, 2], err[-2000:]
+    assert "ValueError: a bad batch on rank 1" in "\n".join(hang["evidence"])
+    assert sorted(f for f in os.listdir(tmp_path / "rep") if f.startswith("torchdoctor-flight")) == [
+        f"torchdoctor-flight-rank{r}.json" for r in range(3)]
+
+
+def test_with_the_recorder_off_the_ranks_stacks_are_still_given(tmp_path):
+    rc, rep, _, _ = hung(tmp_path, "skip", 3, TORCH_FR_BUFFER_SIZE="0")
+    stacks = the(rep, "comm.flight-stacks")
+    assert "comm.flight-records" not in ids(rep) and "comm.hang" not in ids(rep)
+    text = "\n".join(stacks["evidence"])
+    assert "rank 2 (SIGTERM)" in text and "in slow_path" in text and "in second_step" in text
 
 
 def test_no_flight_leaves_the_job_alone(tmp_path):
@@ -126,6 +144,18 @@ def test_an_all_to_all_is_decided_by_what_all_ranks_send_and_receive(tmp_path):
     nccl_dump(folder, 0, [e, entry(2)], ranks="[0, 1]")
     found = {f.id: f for f in post_mortem(str(folder))}
     assert found["comm.collective-mismatch"].data["state"] == "SIZE_OR_SYNTAX_MISMATCH"
+
+
+def test_ranks_that_left_no_dump_keep_the_verdict_from_saying_all_is_well(tmp_path):
+    """torchdoctor's own dumps carry the job's rank count: two of four ranks dumped and agree -- not an OK."""
+    for r in (0, 3):
+        (tmp_path / f"torchdoctor-flight-rank{r}.json").write_text(json.dumps({
+            "rank": r, "world_size": 4, "reason": "SIGTERM", "stack": [["/job/train.py", 9, "step"]],
+            "run_id": "job-1", "fr": {"version": "2.10", "pg_config": {"0": {"ranks": "[]"}}, "pg_status": {},
+                                      "entries": [entry(1), entry(2)]}}))
+    found = {f.id: f for f in post_mortem(str(tmp_path))}
+    assert set(found) == {"comm.flight-incomplete"}
+    assert found["comm.flight-incomplete"].data["no_dump"] == [1, 2]
 
 
 def test_a_dump_folder_with_nothing_in_it_is_nothing(tmp_path):

@@ -128,6 +128,40 @@ def not_a_pair():
     return nn.Linear(2, 2)
 
 
+class Frozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 4).requires_grad_(False)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def frozen():
+    return Frozen(), (torch.randn(2, 8),)
+
+
+def wrong_shape():
+    return nn.Linear(64, 4), (torch.randn(2, 10),)
+
+
+class Saturating(nn.Module):
+    """An fp16 overflow inside the model's own code that tanh absorbs."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.proj.weight[0, 0] = 1e6
+
+    def forward(self, x):
+        return self.proj(x).tanh()
+
+
+def saturating():
+    return Saturating(), (torch.ones(2, 8),)
+
+
 def raises():
     raise RuntimeError("no data here")
 '''
@@ -158,7 +192,16 @@ def test_values_fp16_flushes_to_zero_are_counted_per_module(factories, capsys):
     assert any(f["id"] == "precision.underflow" for f in result["findings"])
 
 
+def test_no_gradient_to_measure_is_not_an_overflow_and_the_root_is_named(factories, capsys):
+    rc, out, _ = cli([f"{factories}:frozen", "--json"], capsys)
+    assert rc == 0 and json.loads(out)["verdict"] == "safe"
+    rc, out, _ = cli([f"{factories}:saturating", "--json"], capsys)
+    absorbed = next(f for f in json.loads(out)["findings"] if f["id"] == "precision.absorbed")
+    assert absorbed["title"].startswith("inside (the model) (Saturating)")
+
+
 @pytest.mark.parametrize("spec, message", [
+    ("mymodels:wrong_shape", "the model's forward or backward on the batch raised RuntimeError: mat1 and mat2"),
     ("mymodels:not_a_pair", "must return (model, batch)"),
     ("mymodels:raises", "the factory raised RuntimeError: no data here"),
     ("mymodels:missing", "mymodels has no missing"),
@@ -187,10 +230,14 @@ def test_pickled_weights_are_refused_and_text_needs_a_tokenizer(tmp_path, capsys
     (tmp_path / "bad.jsonl").write_text('{"input_ids": [1, 999]}\n')
     rc, _, err = cli([good, "--batch", str(tmp_path / "bad.jsonl")], capsys)
     assert rc == 2 and "token id 999 is outside the vocabulary (0..255)" in err
+    (tmp_path / "mixed.jsonl").write_text('{"input_ids": [1, 2]}\n{"text": "hello"}\n')
+    rc, _, err = cli([good, "--batch", str(tmp_path / "mixed.jsonl")], capsys)
+    assert rc == 2 and "some lines give input_ids and others text" in err
     rc, _, err = cli([good, "--seq-len", "999"], capsys)
     assert rc == 2 and "at most 64 positions" in err
-    rc, _, err = cli([good, "--device", "bogus"], capsys)
-    assert rc == 2 and err.startswith("torchdoctor precision: --device bogus: ") and "Traceback" not in err
+    for device in ("bogus", "meta"):
+        rc, _, err = cli([good, "--device", device], capsys)
+        assert rc == 2 and err.startswith(f"torchdoctor precision: --device {device}: ") and "Traceback" not in err
     with pytest.MonkeyPatch.context() as mp:  # (a machine without CUDA, whatever this one has)
         mp.setattr(torch.cuda, "is_available", lambda: False)
         rc, _, err = cli([good, "--device", "cuda"], capsys)

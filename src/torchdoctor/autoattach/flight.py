@@ -27,7 +27,7 @@ from typing import Any
 
 from .imports import when_imported
 
-_state: dict[str, Any] = {"dir": None, "written": False, "armed": False}
+_state: dict[str, Any] = {"dir": None, "written": False, "armed": False, "busy": False, "pending": None}
 
 
 def install(options: dict[str, Any]) -> None:
@@ -60,8 +60,15 @@ def _arm() -> None:
 
     def on_exception(exc_type: Any, exc: Any, tb: Any) -> None:
         first = (str(exc).strip().splitlines() or [""])[0][:300]
-        _dump(f"exception: {exc_type.__name__}: {first}", traceback.extract_tb(tb))
-        previous_hook(exc_type, exc, tb)
+        _state["busy"] = True  # a SIGTERM now (torchrun stopping every rank) waits for the dump and the traceback
+        try:
+            _dump(f"exception: {exc_type.__name__}: {first}", traceback.extract_tb(tb))
+            previous_hook(exc_type, exc, tb)
+        finally:
+            _state["busy"] = False
+            pending, _state["pending"] = _state["pending"], None
+            if pending is not None:
+                _on_signal(*pending)
 
     sys.excepthook = on_exception
     if threading.current_thread() is not threading.main_thread():
@@ -75,7 +82,15 @@ def _arm() -> None:
 
 
 def _on_signal(previous: Any, signum: int, frame: Any) -> None:
-    _dump(signal.Signals(signum).name, traceback.extract_stack(frame) if frame is not None else [])
+    if _state["busy"]:  # the signal came while a dump was being written (torchrun's SIGTERM right after the
+        _state["pending"] = (previous, signum, frame)  # exception): it takes effect once the dump is whole
+        return
+    _state["busy"] = True
+    try:
+        _dump(signal.Signals(signum).name, traceback.extract_stack(frame) if frame is not None else [])
+    finally:
+        _state["busy"] = False
+        _state["pending"] = None  # (a second signal during this one's dump: this one's ending stands)
     if callable(previous):
         previous(signum, frame)
         return
@@ -102,6 +117,10 @@ def _dump(reason: str, stack: Any) -> None:
     if _state["written"] or _state["dir"] is None:
         return
     _state["written"] = True
+    _write(reason, stack)
+
+
+def _write(reason: str, stack: Any) -> None:
     try:
         import torch.distributed as dist
 

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 SLOW_FRACTION = 0.5  # a link below this share of its class's median is slow
+MIN_PAIR_BYTES = 64 << 10  # below this a message measures latency, and the per-link figures are noise
+MAX_PAIR_BYTES = 1 << 30  # a rank holds one such buffer; beyond 1 GiB a link shows nothing more
 #: Test builds only: "RANK:SECONDS" makes that rank wait SECONDS before each of its sends and receives in --pairs,
 #: a link made slow at a known place (no CPU limit on a shared machine is that reliable).
 TEST_SLOW_ENV = "TORCHDOCTOR_COMM_TEST_SLOW"
@@ -163,13 +165,16 @@ def render(all_links: list[Link], n: int, nbytes: int, iters: int) -> str:
     from .sizes import format_bytes
 
     gb = {(x.src, x.dst): x.gbps for x in all_links}
-    width = max(8, len(str(n - 1)) + 6)
+    width = max(9, len(str(n - 1)) + 1)  # "1.23e-05" and a space: columns never run together
+
+    def cell(s: int, d: int) -> str:
+        text = "-" if s == d else f"{gb.get((s, d), float('nan')):.3g}"
+        return " " + text.rjust(width - 1)
+
     lines = [f"point-to-point GB/s, {format_bytes(nbytes)} messages x {iters}, row sends to column:",
-             "src\\dst " + "".join(f"{d:>{width}}" for d in range(n))]
+             "src\\dst " + "".join(" " + str(d).rjust(width - 1) for d in range(n))]
     for s in range(n):
-        cells = "".join(f"{'-':>{width}}" if s == d else f"{gb.get((s, d), float('nan')):>{width}.3g}"
-                        for d in range(n))
-        lines.append(f"{s:>7} " + cells)
+        lines.append(f"{s:>7} " + "".join(cell(s, d) for d in range(n)))
     kinds = sorted({x.kind for x in all_links})
     lines.append("classes: " + "; ".join(
         f"{k}: median {statistics.median(x.gbps for x in all_links if x.kind == k):.3g} GB/s "

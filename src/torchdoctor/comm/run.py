@@ -73,8 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="after the checks, the point-to-point bandwidth of every pair of ranks, both directions, "
                             "in rounds of disjoint pairs (N-1 rounds for N ranks); names the links far below the "
                             "median of their kind (same host, other host, NVLink, PCIe)")
-    links.add_argument("--pair-size", default="8M", help=f"message size for --pairs (default 8M; {UNITS_HELP})")
-    links.add_argument("--pair-iters", default="5", help="timed messages per direction of a pair (default 5)")
+    links.add_argument("--pair-size", default=None,
+                       help=f"message size for --pairs, 64K to 1G (default 8M; {UNITS_HELP}); implies --pairs")
+    links.add_argument("--pair-iters", default=None,
+                       help="timed messages per direction of a pair (default 5); implies --pairs")
 
 
 def _usage(message: str) -> int:
@@ -108,20 +110,26 @@ def _options(args: argparse.Namespace) -> Options | str:
         sizes = parse_sizes(args.sizes)
     except SizeError as e:
         return f"--sizes: {e}"
+    from .pairs import MAX_PAIR_BYTES, MIN_PAIR_BYTES
+
+    pairs = args.pairs or args.pair_size is not None or args.pair_iters is not None
     try:
-        pair_sizes = parse_sizes(str(args.pair_size))
+        pair_sizes = parse_sizes(str(args.pair_size or "8M"))
     except SizeError as e:
         return f"--pair-size: {e}"
     if len(pair_sizes) != 1:
         return f"--pair-size takes one size, got {args.pair_size!r}"
-    pair_iters = count("--pair-iters", args.pair_iters)
+    if not MIN_PAIR_BYTES <= pair_sizes[0] <= MAX_PAIR_BYTES:
+        return (f"--pair-size must be from 64K (smaller messages measure latency, not a link) to 1G (each rank "
+                f"holds one such buffer), got {args.pair_size!r}")
+    pair_iters = count("--pair-iters", args.pair_iters or "5")
     if isinstance(pair_iters, str):
         return pair_iters
     if pair_iters < 1:
         return "--pair-iters must be at least 1"
     return Options(backend=args.backend, timeout=timeout, json=args.json, bench=args.bench, sizes=sizes,
                    iters=iters, warmup=warmup, dtype=args.dtype, nccl_debug=args.nccl_debug,
-                   nccl_debug_subsys=args.nccl_debug_subsys, pairs=args.pairs, pair_size=pair_sizes[0],
+                   nccl_debug_subsys=args.nccl_debug_subsys, pairs=pairs, pair_size=pair_sizes[0],
                    pair_iters=pair_iters)
 
 
@@ -154,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
         from .capacity import batch_size, rank_bytes, refusal, this_machine
 
         machine = this_machine()
-        per_rank = rank_bytes(max(opts.sizes) if opts.bench else None, host_buffers=opts.backend != "nccl")
+        largest = max([*(opts.sizes if opts.bench else []), *([opts.pair_size] if opts.pairs else [])], default=None)
+        per_rank = rank_bytes(largest, host_buffers=opts.backend != "nccl")
         if not args.force and (msg := refusal(args.local, machine, per_rank)):
             return _usage(msg)
     if args.local is None and launch is None:

@@ -313,7 +313,10 @@ def _rows(path: str, folder: str, batch_size: int) -> tuple[list[list[int]], str
                 raise PrecisionUsageError(f"--batch {path}:{n}: each line must be an object with \"text\" or "
                                           "\"input_ids\"")
             examples.append(obj)
-        if all("input_ids" in e for e in examples):
+        with_ids = sum("input_ids" in e for e in examples)
+        if 0 < with_ids < len(examples):
+            raise PrecisionUsageError(f"--batch {path}: some lines give input_ids and others text; give one kind")
+        if with_ids:
             rows = []
             for n, e in enumerate(examples, 1):
                 ids = e["input_ids"]

@@ -77,6 +77,8 @@ def _run(args: argparse.Namespace) -> int:
     from .probe import run_probe
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.split(":")[0] not in ("cpu", "cuda", "xpu", "mps", "hpu"):
+        raise PrecisionUsageError(f"--device {device}: autocast runs on cpu, cuda, xpu, mps or hpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise PrecisionUsageError(f"--device {device}: torch sees no CUDA device here (torch "
                                   f"{torch.__version__}); use --device cpu")
@@ -95,8 +97,10 @@ def _run(args: argparse.Namespace) -> int:
         stage[0] = f"one {args.dtype} forward, one fp32 forward and backward"
         try:
             probe = run_probe(loaded.model, loaded.batch, target, device)
-        except (ValueError, TypeError) as e:  # the model refused the batch (its own message)
-            raise PrecisionUsageError(f"the model's forward on the batch raised {type(e).__name__}: {e}") from None
+        except Exception as e:  # noqa: BLE001 -- the model (or its config) refused the batch: its own message
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise PrecisionUsageError(f"the model's forward or backward on the batch raised {type(e).__name__}: "
+                                      f"{first}") from None
         times["measure_s"] = probe.seconds
         prediction = predict(probe)
         stage[0] = f"verifying the fix under {args.dtype} autocast"
@@ -194,9 +198,9 @@ def judge(prediction, fix, verified: int | None, dtype: str) -> list[Finding]:
         s = prediction.absorbed[0]
         out.append(Finding(
             "precision.absorbed", "info",
-            f"inside {s.module} ({s.cls}) {_a(dtype)} value overflows ({s.op} {s.peak:.3g}) but the module's output "
-            "stays finite (a saturating function, e.g. tanh(inf) = 1)",
-            [f"{a.module}: {a.op} {a.peak:.3g}" for a in prediction.absorbed[:_SHOWN]]))
+            f"inside {s.module or '(the model)'} ({s.cls}) {_a(dtype)} value overflows ({s.op} {s.peak:.3g}) but the "
+            "module's output stays finite (a saturating function, e.g. tanh(inf) = 1)",
+            [f"{a.module or '(the model)'}: {a.op} {a.peak:.3g}" for a in prediction.absorbed[:_SHOWN]]))
     if prediction.underflow:
         u = prediction.underflow[0]
         out.append(Finding(

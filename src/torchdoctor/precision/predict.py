@@ -108,8 +108,9 @@ class Prediction:
 
     @property
     def overflows(self) -> bool:
+        scale = self.loss_scale  # (no gradient measured: nothing said about the loss scale)
         return bool(self.overflow or self.weights_over or self.observed_first
-                    or (self.loss_scale is not None and not self.loss_scale.works))
+                    or (scale is not None and scale.max_power is not None and not scale.works))
 
 
 def _module_sites(probe: Probe, dtype_max: float) -> list[Site]:

@@ -64,7 +64,7 @@ def _ranks_of(config: Any) -> list[int] | None:
     raw = config.get("ranks") if isinstance(config, dict) else None
     try:
         ranks = ast.literal_eval(raw) if isinstance(raw, str) else raw
-        return [int(r) for r in ranks] if isinstance(ranks, (list, tuple)) else None
+        return [int(r) for r in ranks] if isinstance(ranks, (list, tuple)) and ranks else None  # ([]: gloo's)
     except (ValueError, SyntaxError, TypeError):
         return None
 
@@ -149,6 +149,8 @@ def analyze(dumps: Dumps) -> list[Parting]:
     out = []
     for name in names:
         desc, members = _group_desc(dumps, name)
+        if members is None and dumps.world_size and (name == "0" or "default_pg" in desc):
+            members = list(range(dumps.world_size))  # the default group holds every rank of the job
         by_rank = {r: calls.get(name, {}) for r, calls in per_rank.items() if members is None or r in members}
         ranks = members or sorted(by_rank)
         no_dump = [r for r in ranks if r not in dumps.ranks]
@@ -169,8 +171,9 @@ def analyze(dumps: Dumps) -> list[Parting]:
             if not parting.waiting_frames:
                 parting.waiting_frames = dumps.ranks[first_waiting].stack
         elif top:
-            parting.all_completed = all(completed.get(r) == top for r in by_rank) and not no_dump
-            if not parting.all_completed:
+            done = all(completed.get(r) == top for r in by_rank)  # every rank that dumped completed the last one
+            parting.all_completed = done and not no_dump
+            if not done:
                 parting.seq = top
                 parting.call = next((c[top] for c in by_rank.values() if top in c), None)
                 parting.waiting = sorted(r for r in by_rank if completed.get(r) != top)

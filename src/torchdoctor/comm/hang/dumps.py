@@ -61,12 +61,28 @@ class RankDump:
     stack: list[tuple[str, int, str]] = field(default_factory=list)  # (file, line, function), innermost last
     pid: int | None = None
     run_id: str | None = None  # the job it belongs to (torchrun's run id, or the master address and port)
+    world_size: int | None = None  # the job's ranks (torchdoctor's dumps say; Flight Recorder's pickles do not)
 
 
 @dataclass
 class Dumps:
     ranks: dict[int, RankDump] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int | None:
+        """The job's rank count, when a dump says it."""
+        return max((d.world_size for d in self.ranks.values() if d.world_size), default=None)
+
+    @property
+    def without_dump(self) -> list[int]:
+        """The job's ranks that left no (readable) dump, when the rank count is known."""
+        world = self.world_size
+        return [r for r in range(world) if r not in self.ranks] if world else []
+
+    @property
+    def entries(self) -> int:
+        return sum(len(d.fr.get("entries") or ()) for d in self.ranks.values())
 
 
 def frames_of(raw: Any, innermost_first: bool = False) -> list[tuple[str, int, str]]:
@@ -115,8 +131,9 @@ def read_file(path: str, rank_hint: int | None = None) -> RankDump:
     fr = doc["fr"]
     if fr is None:
         fr = {"entries": [], "pg_config": {}, "pg_status": {}, "version": None}
+    world = doc.get("world_size")
     return RankDump(doc["rank"], path, _check_fr(fr), doc.get("host"), doc.get("reason"), frames_of(doc.get("stack")),
-                    doc.get("pid"), doc.get("run_id"))
+                    doc.get("pid"), doc.get("run_id"), world if isinstance(world, int) and world > 0 else None)
 
 
 def read_folder(folder: str, prefixes: tuple[str, ...] = (), out: Dumps | None = None) -> Dumps:

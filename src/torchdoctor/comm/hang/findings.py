@@ -59,7 +59,8 @@ def hang_findings(dumps: Dumps, partings: list[Parting], source: str) -> list[Fi
             for r in p.missing:
                 stack = p.missing_stacks.get(r)
                 if stack:
-                    evidence.append(f"rank {r} was at {where(stack)}")
+                    why = dumps.ranks[r].reason if r in dumps.ranks else None
+                    evidence.append(f"rank {r} was at {where(stack)}" + (f" ({why})" if why else ""))
                 elif r in dumps.ranks:
                     evidence.append(f"rank {r}: its dump records collectives only, not where it was (torchdoctor "
                                     "run's dumps add the rank's stack)")
@@ -92,7 +93,25 @@ def hang_findings(dumps: Dumps, partings: list[Parting], source: str) -> list[Fi
         out.append(Finding("comm.dump-unreadable", "warn",
                            f"{len(dumps.problems)} Flight Recorder dump file(s) could not be used",
                            list(dumps.problems), [], {"problems": list(dumps.problems)}))
-    if dumps.ranks and not any(f.id in ("comm.hang", "comm.collective-mismatch") for f in out):
+    parted = any(f.id in ("comm.hang", "comm.collective-mismatch") for f in out)
+    if dumps.ranks and not dumps.entries:  # the recorder was off (TORCH_FR_BUFFER_SIZE=0) or recorded nothing
+        out.insert(0, Finding(
+            "comm.flight-stacks", "warn",
+            f"Flight Recorder recorded no collective in the {len(dumps.ranks)} dump(s), so where the ranks parted is "
+            "unknown; where each rank was when it ended:",
+            [f"rank {r} ({d.reason or 'dumped'}): {where(d.stack)}" for r, d in sorted(dumps.ranks.items())]
+            + ([f"no dump from {_ranks(dumps.without_dump)}"] if dumps.without_dump else []),
+            ["keep the recorder on (unset TORCH_FR_BUFFER_SIZE=0, or set it to 2000) to get the collective each "
+             "rank was in"], data_common))
+    elif dumps.ranks and not parted and dumps.without_dump:
+        out.append(Finding(
+            "comm.flight-incomplete", "warn",
+            f"dumps from {len(dumps.ranks)} of {dumps.world_size} ranks: {_ranks(dumps.without_dump)} left none, "
+            "so where the job parted cannot be told; the ranks that dumped agree on every collective they entered",
+            [f"rank {r} ({d.reason or 'dumped'}): {where(d.stack)}" for r, d in sorted(dumps.ranks.items())],
+            ["those ranks were killed before they could write (SIGKILL, the OOM killer: see the other findings), or "
+             "ran on a host whose report folder was not collected"], {**data_common, "no_dump": dumps.without_dump}))
+    elif dumps.ranks and not parted:
         out.append(Finding("comm.flight-records", "ok",
                            f"Flight Recorder records of {len(dumps.ranks)} rank(s): every rank entered the same "
                            "collectives, nothing parted", [], [], data_common))
