@@ -76,7 +76,7 @@ def test_every_zero_stage_is_checked_before_deepspeed_applies_the_step(one_rank,
         elif name == "backward-params":  # the replay from the gradient at the model's output names the module
             assert (first["module"], first["cls"], first["slot"]) == ("boom", "Boom", "grad_input")
         else:  # (ZeRO-3 hands every module fresh input tensors, so boom's input is not act's output tensor; it
-            # holds its values, which names boom all the same: diagnosis.consumer_of)
+            # holds its values, which names boom all the same: consumers.consumer_of)
             assert (first["module"], first["cls"], first["slot"]) == ("boom", "Boom", "grad_input")
 
 

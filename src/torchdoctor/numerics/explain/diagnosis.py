@@ -35,6 +35,7 @@ import torch
 from ..record.frames import BWD, FWD, MARK, Line, ResolvedFrame
 from . import causes
 from .causes import divergence, narrow_range, step_dtypes
+from .consumers import code_between, consumer_of
 from .inputs import ModelInput, input_name, marked_input, model_input, producer, root_of_call
 from .ranges import (
     dtype_max,
@@ -148,28 +149,6 @@ def common_region(a: str, b: str) -> str:
     return ".".join(common)
 
 
-def backward_consumer(frames: list[ResolvedFrame], index: int) -> ResolvedFrame | None:
-    """The module whose backward produced the gradient measured at ``frames[index]``.
-
-    A bwd frame measures the gradient w.r.t. a forward output of module P. That gradient is what the
-    backward of P's *consumer* returned: the first later forward frame of the same step that took
-    the very same tensor as an input (pass-through modules, whose output is that tensor too, are
-    skipped). None when the tensor reached its consumer through a view or a plain function.
-    """
-    bad = frames[index]
-    ref = bad.source_ref
-    if ref is None:
-        return None
-    for f in frames:
-        if f.step != bad.step or f.phase == BWD:
-            continue
-        takes = any(ln.ref == ref and ln.label.startswith("input") for ln in f.lines)
-        passes = any(ln.ref == ref and ln.label.startswith("output") for ln in f.lines)
-        if takes and not passes:
-            return f
-    return None
-
-
 def _data(frames: list[ResolvedFrame], index: int, got: ModelInput, consumer_line: Line) -> Diagnosis:
     frame = frames[index]
     line = got.line
@@ -200,50 +179,6 @@ def _data(frames: list[ResolvedFrame], index: int, got: ModelInput, consumer_lin
     if got.frame is not frame:
         evidence += (Evidence.of(frame, consumer_line),)
     return Diagnosis(causes.BAD_INPUT, text, fix=fix, evidence=evidence)
-
-
-def consumer_of(frames: list[ResolvedFrame], index: int) -> ResolvedFrame | None:
-    """:func:`backward_consumer`, or, when no later module took that very tensor, the next module of the parent's
-    forward whose input holds the same values (dtype, abs min and abs max): the output reached it as another
-    tensor -- a view, or a copy an engine made (ZeRO-3 hands every module fresh input tensors) -- so that module's
-    backward made the gradient, not plain code between the two."""
-    found = backward_consumer(frames, index)
-    if found is not None:
-        return found
-    between = code_between(frames, index)
-    if between is None or between[1] is None:
-        return None
-    bad, nxt = frames[index], between[1]
-    made = next((ln for f in frames[:index] if f.step == bad.step and f.phase == FWD and f.name == bad.name
-                 for ln in f.lines if ln.ref == bad.source_ref and ln.label.startswith("output")), None)
-    if made is None or made.abs_max is None or not math.isfinite(made.abs_max):
-        return None
-    same = any(ln.label.startswith("input") and ln.dtype == made.dtype and ln.abs_min == made.abs_min
-               and ln.abs_max == made.abs_max for ln in nxt.lines)
-    return nxt if same else None
-
-
-def code_between(frames: list[ResolvedFrame], index: int) -> tuple[ResolvedFrame, ResolvedFrame | None] | None:
-    """The gradient of a module's output measured at ``frames[index]`` went bad while no watched module took that
-    output as its input (:func:`backward_consumer` found none): the forward of its parent used it in plain code.
-    That parent's frame, and the next module it called after the producer (None if none), or None when the producer
-    is the model itself."""
-    bad = frames[index]
-    if bad.root or not bad.name:
-        return None
-    producer = next((i for i in range(index - 1, -1, -1) if frames[i].step == bad.step and frames[i].phase == FWD
-                     and frames[i].name == bad.name), None)
-    if producer is None:
-        return None
-    parent_name = bad.name.rpartition(".")[0]
-    parent = next((f for f in frames[producer + 1:] if f.step == bad.step and f.phase == FWD
-                   and f.name == parent_name), None)
-    if parent is None:
-        return None
-    inside = parent_name + "." if parent_name else ""
-    nxt = next((f for f in frames[producer + 1:] if f.step == bad.step and f.phase == FWD and f.name != parent_name
-                and f.name.startswith(inside) and not f.name.startswith(bad.name + ".")), None)
-    return parent, nxt
 
 
 def _between_modules(frames: list[ResolvedFrame], index: int, bad: Line) -> Diagnosis:

@@ -15,21 +15,12 @@ from typing import Any
 
 from ...jsonfile import dumps
 from ..record.frames import BWD, Line, ResolvedFrame
-from .diagnosis import (
-    HEADROOM_FACTOR,
-    Evidence,
-    Setup,
-    backward_consumer,
-    code_between,
-    common_region,
-    consumer_of,
-    diagnose,
-    keep_fp32_fix,
-)
+from .consumers import code_between, consumer_of
+from .diagnosis import HEADROOM_FACTOR, Evidence, Setup, common_region, diagnose, keep_fp32_fix
 from .render import format_frames, who
 
 __all__ = [
-    "HEADROOM_FACTOR", "FirstNonFinite", "NonFiniteReport", "Setup", "backward_consumer", "build_report",
+    "HEADROOM_FACTOR", "FirstNonFinite", "NonFiniteReport", "Setup", "build_report",
     "common_region", "find_first_bad", "fix_keep_fp32",
 ]
 

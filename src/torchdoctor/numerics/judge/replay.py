@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ...units import human_bytes
 from ..engines.wrappers import sharded
 from ..explain import causes
-from ..explain.diagnosis import backward_consumer
+from ..explain.consumers import backward_consumer
 from ..explain.report import NonFiniteReport, build_report
 from ..measure.buffers import saved_buffers
 from ..measure.slots import output_slots
