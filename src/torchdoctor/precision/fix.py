@@ -20,9 +20,9 @@ from torch import nn
 
 from ..numerics.engines.wrappers import named_user_modules
 from ..numerics.fp32 import keep_fp32
-from .ops import NONFINITE, OUT_MAX, Recorder
+from .ops import NONFINITE, OUT_MAX, Recorder, floats
 from .predict import RISK_FACTOR, Prediction
-from .probe import Probe, _call, _floats, _seeded, loss_of
+from .probe import Probe, call, loss_of, seeded
 
 MAX_ROUNDS = 8
 MAX_SCALE_TRIES = 6  # loss scales checked with a backward, from the proposed one down
@@ -79,7 +79,7 @@ def _flagged(model: nn.Module, batch: Any, probe: Probe, regions: list[str], lim
     def watch(name: str):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             with recorder.paused():
-                ts = _floats(output)
+                ts = floats(output)
                 if ts:
                     went_bad[name] = torch.stack([~torch.isfinite(t).all() for t in ts]).any()
         return hook
@@ -87,9 +87,9 @@ def _flagged(model: nn.Module, batch: Any, probe: Probe, regions: list[str], lim
     handles = [m.register_forward_hook(watch(n)) for m, n in names.items()]
     guard = keep_fp32([mods[r] for r in regions], model=model) if regions else None
     try:
-        with _seeded(), torch.no_grad(), torch.autocast(probe.device.split(":")[0], dtype=probe.target), recorder, \
+        with seeded(), torch.no_grad(), torch.autocast(probe.device.split(":")[0], dtype=probe.target), recorder, \
                 recorder.modules(model, names):
-            loss, _ = loss_of(_call(model, batch))
+            loss, _ = loss_of(call(model, batch))
     finally:
         if guard is not None:
             guard.remove()
@@ -128,8 +128,8 @@ def _backward_fault(model: nn.Module, batch: Any, probe: Probe, regions: list[st
             for p in params:
                 p.grad = None
             with NumericsMonitor(model, grads="modules", watch="every-module", report_dir=tmp) as mon:
-                with _seeded(), torch.autocast(probe.device.split(":")[0], dtype=probe.target):
-                    loss, _ = loss_of(_call(model, batch))
+                with seeded(), torch.autocast(probe.device.split(":")[0], dtype=probe.target):
+                    loss, _ = loss_of(call(model, batch))
                 if loss.requires_grad:
                     loss.float().backward()
                 mon.step()
@@ -231,8 +231,8 @@ def check_scale(model: nn.Module, batch: Any, probe: Probe, regions: list[str], 
     try:
         for p in params:
             p.grad = None
-        with _seeded(), torch.autocast(probe.device.split(":")[0], dtype=probe.target):
-            loss, _ = loss_of(_call(model, batch))
+        with seeded(), torch.autocast(probe.device.split(":")[0], dtype=probe.target):
+            loss, _ = loss_of(call(model, batch))
         if not loss.requires_grad:
             return True
         (loss.float() * 2.0 ** power).backward()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,11 +67,15 @@ def magnitude(t: torch.Tensor) -> torch.Tensor:
     return (torch.where(sentinel, torch.zeros_like(a), a).amax() if a.numel() else a.sum()), sentinel.any()
 
 
-def _floats(obj) -> list[torch.Tensor]:
+def floats(obj: Any) -> list[torch.Tensor]:
+    """The non-empty floating tensors in ``obj``: a tensor, or inside lists, tuples, dicts and ``ModelOutput``-like
+    mappings (an op's inputs and outputs, a module's outputs)."""
     if isinstance(obj, torch.Tensor):
         return [obj] if obj.is_floating_point() and obj.numel() else []
     if isinstance(obj, (list, tuple)):
-        return [t for x in obj for t in _floats(x)]
+        return [t for x in obj for t in floats(x)]
+    if isinstance(obj, dict) or (hasattr(obj, "values") and callable(obj.values)):
+        return [t for x in obj.values() for t in floats(x)]
     return []
 
 
@@ -134,7 +139,7 @@ class Recorder(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if func.is_view or name in _SKIPPED or name.endswith("_like"):
             return out
-        outs = _floats(out)
+        outs = floats(out)
         if not outs:
             return out
         index = len(self.names)
@@ -146,7 +151,7 @@ class Recorder(TorchDispatchMode):
                                 and plan[index].dtype != self.target):
             self.rows.append(None)  # computed wider than the target dtype there: nothing to measure
             return out
-        ins = [t for t in _floats(list(args) + list((kwargs or {}).values()))
+        ins = [t for t in floats(list(args) + list((kwargs or {}).values()))
                if t.untyped_storage().data_ptr() not in self.weights]
         self.rows.append(self._row(ins, outs))
         return out

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..numerics.engines.wrappers import named_user_modules
-from .ops import OpRecord, Recorder, flush_below, magnitude, paired
+from .ops import OpRecord, Recorder, floats, flush_below, magnitude, paired
 
 #: the gradient histogram's bins: one per power of two, 2**LOW_EXP .. 2**HIGH_EXP (fp32's whole range)
 LOW_EXP, HIGH_EXP = -150, 130
@@ -49,27 +49,13 @@ class Probe:
     loss_note: str | None
     seconds: float
     notes: list[str] = field(default_factory=list)
-    first_bad_call: str | None = None
+    # the first module whose output went non-finite in the target dtype's forward, in the order the calls returned
+    # (a module called twice, a final dropout, is placed by the call that went bad)
+    first_narrow_bad: str | None = None
 
     @property
     def paired(self) -> bool:
         return paired(self.fp32_ops, self.narrow_ops)
-
-    @property
-    def first_narrow_bad(self) -> str | None:
-        """The first module whose output went non-finite in the target dtype's forward (in the order the calls
-        returned: a module called twice, a final dropout, is placed by the call that went bad)."""
-        return self.first_bad_call
-
-
-def _floats(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.is_floating_point() else []
-    if isinstance(obj, (list, tuple)):
-        return [t for x in obj for t in _floats(x)]
-    if isinstance(obj, dict) or hasattr(obj, "values") and callable(obj.values):
-        return [t for x in obj.values() for t in _floats(x)]
-    return []
 
 
 def loss_of(output: Any) -> tuple[torch.Tensor, str | None]:
@@ -84,19 +70,19 @@ def loss_of(output: Any) -> tuple[torch.Tensor, str | None]:
         loss = next((t for t in output if isinstance(t, torch.Tensor) and t.dim() == 0), None)
     if isinstance(loss, torch.Tensor) and loss.is_floating_point():
         return loss, None
-    first = next(iter(_floats(output)), None)
+    first = next(iter(floats(output)), None)
     if first is None:
         raise ValueError("the model returned no floating-point tensor: nothing to measure")
     return first.float().pow(2).mean(), ("the model returned no loss (pass labels in the batch): gradients are "
                                          "those of the mean square of its first output")
 
 
-def _call(model: nn.Module, batch: Any) -> Any:
+def call(model: nn.Module, batch: Any) -> Any:
     return model(**batch) if isinstance(batch, dict) else model(*batch)
 
 
 @contextlib.contextmanager
-def _seeded(seed: int = 0) -> Iterator[None]:
+def seeded(seed: int = 0) -> Iterator[None]:
     """The same RNG stream for both passes (dropout masks alike), the caller's put back after."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -134,7 +120,7 @@ def run_probe(model: nn.Module, batch: Any, target: torch.dtype, device: str) ->
                 measure(name, output)
 
         def measure(name: str, output: Any) -> None:
-            ts = _floats(output)
+            ts = floats(output)
             bad = torch.stack([~torch.isfinite(t).all() for t in ts]).any() if ts else torch.zeros((), dtype=bool)
             before = outs_dtype.get(name)
             outs_dtype[name] = (tuple(t.dtype == target for t in ts), bad if before is None else bad | before[1])
@@ -143,9 +129,9 @@ def run_probe(model: nn.Module, batch: Any, target: torch.dtype, device: str) ->
 
     handles = [m.register_forward_hook(narrow_hook(n)) for m, n in names.items()]
     try:
-        with _seeded(), torch.no_grad(), torch.autocast(device.split(":")[0], dtype=target), narrow, \
+        with seeded(), torch.no_grad(), torch.autocast(device.split(":")[0], dtype=target), narrow, \
                 narrow.modules(model, names):
-            output = _call(model, batch)
+            output = call(model, batch)
             with narrow.paused():  # (the fp32 pass's loss is not recorded either)
                 narrow_loss, _ = loss_of(output)
     finally:
@@ -167,7 +153,7 @@ def run_probe(model: nn.Module, batch: Any, target: torch.dtype, device: str) ->
                 measure(module, name, output)
 
         def measure(module: nn.Module, name: str, output: Any) -> None:
-            ts = _floats(output)
+            ts = floats(output)
             modules.setdefault(name, ModuleValues(name, type(module).__name__))
             if not ts:
                 return
@@ -182,8 +168,8 @@ def run_probe(model: nn.Module, batch: Any, target: torch.dtype, device: str) ->
 
     handles = [m.register_forward_hook(fp32_hook(n)) for m, n in names.items()]
     try:
-        with _seeded(), fp32, fp32.modules(model, names):
-            output = _call(model, batch)
+        with seeded(), fp32, fp32.modules(model, names):
+            output = call(model, batch)
         fp32.on = False
         loss, loss_note = loss_of(output)
         params_grad = [p for _, p in params if p.requires_grad]
