@@ -12,40 +12,23 @@ import os as _os
 import sys as _sys
 
 
-def _torchdoctor_start() -> None:
-    raw = _os.environ.get("TORCHDOCTOR_NUMERICS", "").strip()
-    if raw in ("", "0"):
+def _torchdoctor_start(var: str, module: str, what: str, defaults: bool) -> None:
+    """Install ``torchdoctor.autoattach.<module>`` with the JSON options in ``$var`` (``defaults``: ``1`` stands for
+    the defaults, a hand-written switch); unset, ``0`` or empty: nothing at all."""
+    raw = _os.environ.get(var, "").strip()
+    if raw in ("", "0") or not (raw.startswith("{") or defaults):
         return
     try:
+        import importlib
         import importlib.util
         import json
 
-        options = json.loads(raw) if raw.startswith("{") else {}  # "1": the defaults (a hand-written switch)
+        options = json.loads(raw) if raw.startswith("{") else {}
         if importlib.util.find_spec("torchdoctor") is None and options.get("path"):
             _sys.path.append(options["path"])  # the torchdoctor that started the run
-        from torchdoctor.autoattach import startup
-
-        startup.install(options)
+        importlib.import_module(f"torchdoctor.autoattach.{module}").install(options)
     except Exception as e:  # (never the program's failure)
-        _sys.stderr.write(f"[torchdoctor] --numerics is off in this process: {type(e).__name__}: {e}\n")
-
-
-def _torchdoctor_flight() -> None:
-    raw = _os.environ.get("TORCHDOCTOR_FLIGHT", "").strip()
-    if not raw.startswith("{"):
-        return
-    try:
-        import importlib.util
-        import json
-
-        options = json.loads(raw)
-        if importlib.util.find_spec("torchdoctor") is None and options.get("path"):
-            _sys.path.append(options["path"])
-        from torchdoctor.autoattach import flight
-
-        flight.install(options)
-    except Exception as e:  # (never the program's failure)
-        _sys.stderr.write(f"[torchdoctor] the flight recorder hook is off in this process: {type(e).__name__}: {e}\n")
+        _sys.stderr.write(f"[torchdoctor] {what} is off in this process: {type(e).__name__}: {e}\n")
 
 
 def _hidden_sitecustomize() -> None:
@@ -62,6 +45,6 @@ def _hidden_sitecustomize() -> None:
     spec.loader.exec_module(module)
 
 
-_torchdoctor_start()
-_torchdoctor_flight()
+_torchdoctor_start("TORCHDOCTOR_NUMERICS", "startup", "--numerics", defaults=True)
+_torchdoctor_start("TORCHDOCTOR_FLIGHT", "flight", "the flight recorder hook", defaults=False)
 _hidden_sitecustomize()
