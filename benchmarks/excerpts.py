@@ -4,14 +4,22 @@ The excerpts are third-party text and stay outside the project: a folder holding
 ``labels.jsonl`` with one object per file::
 
     {"file": "a001__NVIDIA-apex-318.log", "url": "https://github.com/NVIDIA/apex/issues/318",
-     "family": "fp16-scale", "expected": "fail" | "warn" | "quiet", "cause": "what the thread says"}
+     "family": "fp16-scale", "expected": "fail" | "warn" | "quiet", "cause": "what the thread says",
+     "facts": ["(?i)another process"]}
+
+``facts`` (optional) are regular expressions the cause's own words call for, written with the label before the tool
+ran: the family's finding (its title and fix: the diagnosis, not the evidence, which quotes the line itself) must match
+every one of them to be **right** (a CUDA OOM whose line
+says other processes hold the memory is right only when the finding says so; one that says "lower the batch size"
+is *partly*).
 
 Each excerpt gets one of four verdicts against the cause its thread states:
 
 - **right**: the family's own finding (``FAMILIES`` below) at the severity the cause calls for (``fail``: a fail
-  finding and exit 1; ``warn``: warn or fail; ``quiet``: no warn or fail at all);
+  finding and exit 1; ``warn``: warn or fail; ``quiet``: no warn or fail at all), saying the label's ``facts``;
 - **partly**: the run is flagged but not diagnosed (only a generic finding: the exception, an error line, an exit
-  code), or the family's finding at a lower severity; for a healthy log, a warning;
+  code), the family's finding at a lower severity, or without the facts the line gives; for a healthy log, a
+  warning;
 - **wrong**: a warn/fail finding of another family names a cause the thread does not (or, for a healthy log, a fail);
 - **missed**: nothing at warn or fail on a failed run.
 
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -51,6 +60,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "build-cuda-home": ("build.cuda-home",),
     "build-compiler": ("build.compiler", "build.cuda-mismatch"),
     "crash-other": ("process.exception", "process.error-line", "process.killed", "ds.config-error"),
+    "shm": ("memory.shm",),
+    "slurm-cancel": ("process.cancelled",),
     "healthy": (),
 }
 #: findings that say a run failed without saying why
@@ -58,7 +69,15 @@ GENERIC = ("process.exception", "process.error-line", "process.exit-code", "proc
 VERDICTS = ("right", "partly", "wrong", "missed")
 
 
-def verdict(family: str, expected: str, rc: int, findings: list[dict]) -> str:
+def _says(findings: list[dict], ids: tuple[str, ...], facts: list[str]) -> bool:
+    """Whether the family's findings say every fact: their titles and fixes (the evidence quotes the log's own lines,
+    which hold the fact whether or not the diagnosis read it)."""
+    text = "\n".join(" ".join([f.get("title", ""), *f.get("fix", [])])
+                     for f in findings if ids and f["id"].startswith(ids))
+    return all(re.search(rx, text) for rx in facts)
+
+
+def verdict(family: str, expected: str, rc: int, findings: list[dict], facts: list[str] | None = None) -> str:
     sev = collections.defaultdict(set)
     for f in findings:
         sev[f["id"]].add(f.get("severity"))
@@ -70,9 +89,10 @@ def verdict(family: str, expected: str, rc: int, findings: list[dict]) -> str:
         if not flagged:
             return "right"
         return "wrong" if any("fail" in sev[i] for i in flagged) else "partly"
-    if expected == "fail" and "fail" in mine and rc == 1:
+    said = _says(findings, ids, facts or [])
+    if expected == "fail" and "fail" in mine and rc == 1 and said:
         return "right"
-    if expected == "warn" and mine & {"warn", "fail"}:
+    if expected == "warn" and mine & {"warn", "fail"} and said:
         return "right"
     if mine or (flagged and not others):
         return "partly"
@@ -90,7 +110,7 @@ def evaluate(corpus: Path) -> list[dict]:
                      "expected": lab["expected"], "rc": rc,
                      "findings": [f"{f['id']}:{f['severity']}" for f in findings
                                   if f.get("severity") in ("fail", "warn", "info")],
-                     "verdict": verdict(lab["family"], lab["expected"], rc, findings)})
+                     "verdict": verdict(lab["family"], lab["expected"], rc, findings, lab.get("facts"))})
     return rows
 
 
