@@ -129,10 +129,16 @@ def analyze_stream(stream: BinaryIO, chunk_size: int = CHUNK_BYTES, *, wraps: bo
 
     A gzip stream that ends early or is damaged part-way (:class:`Gunzip`, or ``gzip.open``'s ``EOFError`` /
     ``BadGzipFile`` / ``zlib.error``) is analysed up to there, with a warning finding that says so
-    (``logs.gzip-truncated``, ``logs.gzip-corrupt``) and how many lines were read."""
+    (``logs.gzip-truncated``, ``logs.gzip-corrupt``) and how many lines were read.
+
+    Raises :class:`.content.NotText` (an ``OSError``) when the first bytes are no text log: a checkpoint, a pickle,
+    an archive, random bytes (:func:`.content.not_text` says which); nothing is analysed then."""
     import gzip
 
+    from .content import SNIFF, NotText, not_text
+
     a = Analyzer(wraps=wraps)
+    head: bytes | None = b""  # the first bytes, held until it is known whether they are text (None: decided)
     while True:
         try:
             chunk = stream.read(chunk_size)
@@ -142,9 +148,17 @@ def analyze_stream(stream: BinaryIO, chunk_size: int = CHUNK_BYTES, *, wraps: bo
         except (gzip.BadGzipFile, zlib.error) as e:
             a.input_damaged("corrupt", f"the gzip data is damaged: {e}")
             break
+        if head is not None and isinstance(chunk, (bytes, bytearray)):
+            head += chunk
+            if chunk and len(head) < SNIFF:
+                continue
+            why = not_text(head[:SNIFF], gzipped=_gunzip_of(stream) is not None)
+            if why is not None:
+                raise NotText(why)
+            chunk, head = head, None
         if not chunk:
-            gz = stream if isinstance(stream, Gunzip) else getattr(stream, "raw", None)  # open_log's buffer
-            if isinstance(gz, Gunzip) and gz.problem is not None:
+            gz = _gunzip_of(stream)
+            if gz is not None and gz.problem is not None:
                 a.input_damaged(*gz.problem)
             break
         if isinstance(chunk, str):
@@ -155,6 +169,11 @@ def analyze_stream(stream: BinaryIO, chunk_size: int = CHUNK_BYTES, *, wraps: bo
         else:
             a.feed_bytes(chunk)
     return a.finish()
+
+
+def _gunzip_of(stream: Any) -> Gunzip | None:
+    gz = stream if isinstance(stream, Gunzip) else getattr(stream, "raw", None)  # open_log's buffer
+    return gz if isinstance(gz, Gunzip) else None
 
 
 def analyze_lines(lines: Iterable[str]) -> LogReport:

@@ -17,7 +17,7 @@ from .nonfinite import NonfiniteMessage
 from .scalers import ScalerMessage, scale_of_lg
 
 _OOM_ERROR_LINE = re.compile(r"(?<!except )(?<!except\()\b(?:\w+\.)*OutOfMemoryError: \S|CUDA error: out of memory"
-                             r"|cuda runtime error \(2\)|cudaSuccess\. 2 vs 0")
+                             r"|cuda runtime error \(2\)|cudaSuccess\. 2 vs 0|Cuda failure '?out of memory")
 _NONFINITE_WORDS = ("nan", "inf", "-inf", "+inf", "infinity", "-infinity")
 
 
@@ -39,7 +39,11 @@ def loss_name(key: str, before: str = "") -> str:
 
 
 def _nonfinite(text: str | None) -> bool:
-    return text is not None and text.strip("'\"").lower().removeprefix("tensor(") in _NONFINITE_WORDS
+    """``nan``, ``'inf'``, ``tensor(nan``, Lightning's padded ``nan.0``."""
+    if text is None:
+        return False
+    word = text.strip("'\"").lower().removeprefix("tensor(")
+    return word.rstrip("0").removesuffix(".") in _NONFINITE_WORDS
 
 
 class Handlers(CrashHandlers):
@@ -89,6 +93,9 @@ class Handlers(CrashHandlers):
         self._tr_local_rank: int | None = None
         self._sigterm_sent = 0
         self._cancel: dict | None = None
+        # layouts: pip's box around a build's output (first line, last line, prefix, indent), a table's header
+        self._box: tuple[int, int, str, int] | None = None
+        self._table: list[str] | None = None
         # builds and configs
         self._build_keys: set = set()
         self._ds_config: list[dict] = []
@@ -184,7 +191,10 @@ class Handlers(CrashHandlers):
         e = self._event(lineno, "overflow", seg)
         t.count_overflow(self._rank(seg), e)
         t.dynamic += 1
-        if "lg" in groups:
+        if "ratio" in groups:
+            att = float(m["att"])
+            t.point(att, att * float(m["ratio"]), lineno, self._step)
+        elif "lg" in groups:
             lg = float(m["lg"])
             t.point(scale_of_lg(lg + 1), scale_of_lg(lg), lineno, self._step)
         elif "new" in groups:
@@ -203,6 +213,31 @@ class Handlers(CrashHandlers):
         if nf:
             self._event(lineno, "scale-nonfinite", seg)
         self._scale.observe(scale, lineno, self._step, nf, "Megatron", self._quote(seg))
+
+    def _on_megatron_counts(self, m: re.Match, seg: str, lineno: int) -> None:
+        """Megatron's interval counters: nan iterations are non-finite losses; skipped iterations at a loss scale of 1
+        (bf16/fp32: printed as 1.0, or no scale printed) are updates refused for non-finite gradients -- in fp16 they
+        are the scaler's overflows, which the scale series already shows."""
+        nan, skipped = int(m["nan"]), int(m["skipped"])
+        if nan:
+            self._nonfinite_loss(seg, lineno, "loss", f"nan/inf in {nan} iteration(s) of the interval (Megatron)")
+        if skipped:
+            sc = P.MEGATRON_SCALE_RE.search(seg)
+            if sc is None or float(sc["scale"]) <= 1:
+                self._event(lineno, "overflow-unscaled", seg)
+                self._scaleless_ovf += skipped
+
+    def _on_pip_box(self, m: re.Match, seg: str, lineno: int) -> None:
+        """pip's box around a build's output: its lines are the build's own, indented to the box (see _unbox)."""
+        phys = self._phys
+        col = phys.find("╰")
+        if col >= 0:
+            self._box = (lineno, lineno + int(m["n"]) + 1, phys[:col], col + 4)
+
+    def _on_fastprogress(self, m: re.Match, seg: str, lineno: int) -> None:
+        self._set_step(int(m["n"]), "bar")
+        self._planned = int(m["total"])
+        self._nonfinite_loss(seg, lineno, "loss (fastai's smoothed loss in its progress bar)", m["val"])
 
     def _on_printed_scale(self, m: re.Match, seg: str, lineno: int) -> None:
         if float(m["scale"]) <= 0 or any(k in seg for k in ("scale_window", "scale_power", "min_loss_scale")):
@@ -306,6 +341,15 @@ class Handlers(CrashHandlers):
         f = P.CUDA_OOM_FRAG_RE.search(seg)
         if f:
             d["reserved_unallocated"] = f["unalloc"]
+        others = [(int(p["pid"]), p["size"]) for p in P.CUDA_OOM_PROC_RE.finditer(seg)]
+        if others:
+            d["other_processes"] = others
+        me = P.CUDA_OOM_SELF_RE.search(seg)
+        if me:
+            d["this_process"] = me["size"]
+        r = P.CUDA_OOM_RESERVED_RE.search(seg)
+        if r:
+            d["reserved"] = r["size"]
         add(self._cuda_oom, d, 16)
 
     def _on_cuda_oom_error(self, m: re.Match, seg: str, lineno: int) -> None:
@@ -314,7 +358,7 @@ class Handlers(CrashHandlers):
         self._event(lineno, "cuda-oom", seg)
         self._cuda_oom_n += 1
         add(self._cuda_oom, {"line": lineno, "step": self._step, "rank": self._rank(seg), "tried_to_allocate": None,
-                              "text": self._quote(seg, 600)}, 16)
+                              "text": self._quote(seg, 600), "nccl": "Cuda failure" in seg}, 16)
 
     def _on_mem_gpu(self, m: re.Match, seg: str, lineno: int) -> None:
         max_ma, max_ca = float(m.group(2)), float(m.group(4))

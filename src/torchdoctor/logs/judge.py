@@ -12,6 +12,7 @@ from ..findings import Finding
 from .common import fmt_scale, step_words
 from .judge_crash import CrashJudge
 from .judge_cuda import CudaJudge
+from .judge_oom import OomJudge
 from .judge_process import ProcessJudge
 from .scale_trajectory import judge_fp16
 
@@ -29,19 +30,7 @@ HF_HIDDEN_NAN_WHY = (
 HF_DEAD_LOGS = 5
 
 
-def oom_sizes(oom: dict) -> dict | None:
-    """The bytes of a CUDA out-of-memory message's request, free memory and reserved-but-unallocated memory, when it
-    says all three (torch >= 2.1's format)."""
-    from ..units import SizeError, parse_bytes
-
-    try:
-        return {k: int(parse_bytes(oom[f].replace(" ", ""))) for k, f in
-                (("tried", "tried_to_allocate"), ("free", "free"), ("unallocated", "reserved_unallocated"))}
-    except (KeyError, TypeError, AttributeError, SizeError):
-        return None
-
-
-class Judges(ProcessJudge, CrashJudge, CudaJudge):
+class Judges(ProcessJudge, CrashJudge, CudaJudge, OomJudge):
     """Mixin of :class:`~torchdoctor.logs.analyze.Analyzer`: the judging half."""
 
     def _judge(self) -> list[Finding]:
@@ -190,49 +179,6 @@ class Judges(ProcessJudge, CrashJudge, CudaJudge):
                          "first_epoch": f.get("epoch"), "count": self._loss_nf, "recovered": recovered,
                          "stopped_by": stop["tool"] if stop else None,
                          "hidden_by_nan_inf_filter": self._loss_hidden})]
-
-    def _judge_cuda_oom(self) -> list[Finding]:
-        if not self._cuda_oom_n:
-            return []
-        first = self._cuda_oom[0]
-        req = f" allocating {first['tried_to_allocate']}" if first.get("tried_to_allocate") else ""
-        where = f" on GPU {first['gpu']}" if "gpu" in first else ""
-        at = f" at step {first['step']}" if first["step"] is not None else ""
-        ev = [f"line {first['line']}: {first['text']}"]
-        if self._cuda_oom_n > 1:
-            ev.append(f"{self._cuda_oom_n} out-of-memory line(s) in all")
-        if self._gpu_mem_max:
-            ev.append(f"DeepSpeed's memory report peaked at Max_MA {self._gpu_mem_max[0]} GB, "
-                      f"Max_CA {self._gpu_mem_max[1]} GB")
-        batch = ("lower the batch per GPU and raise gradient accumulation to keep the global batch "
-                 + ("(train_micro_batch_size_per_gpu / gradient_accumulation_steps; per_device_train_batch_size with "
-                    "the HF Trainer)" if self._deepspeed else "(per_device_train_batch_size with the HF Trainer)")
-                 + "; activation checkpointing (model.gradient_checkpointing_enable()); bf16/fp16 activations")
-        if self._deepspeed:
-            states = ("torchdoctor ds memory --params <N> --config ds.json estimates the per-GPU model states for "
-                      "every ZeRO setup: move to ZeRO-3 or offload the optimizer to CPU if they do not fit")
-        else:
-            states = ("if the model's own states (weights, gradients, optimizer) do not fit one GPU: shard them "
-                      "(FSDP's fully_shard, or DeepSpeed ZeRO-3; `torchdoctor ds memory --params <N>` sizes each "
-                      "setup) or use more GPUs")
-        fix = [batch, states]
-        sizes = oom_sizes(first)
-        if sizes is not None and sizes["tried"] > sizes["free"] + sizes["unallocated"]:
-            # one request larger than all the memory the allocator could free: defragmenting cannot serve it
-            ev.append(f"the one request ({first['tried_to_allocate']}) is more than the GPU's free memory "
-                      f"({first['free']}) and what PyTorch holds reserved but unallocated "
-                      f"({first['reserved_unallocated']}) together: no allocator setting can serve it")
-            fix.insert(0, "that single tensor is too large for the GPU: shrink what makes it (the batch, the image "
-                          "resolution or volume, the sequence length; process it in tiles or chunks, e.g. a "
-                          "sliding-window inference) -- expandable_segments cannot help a request this size")
-        elif any("reserved_unallocated" in o for o in self._cuda_oom):
-            fix.append("memory reserved but unallocated is fragmentation: "
-                       "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
-        return [Finding("memory.cuda-oom", "fail", f"CUDA out of memory{where}{at}{req}", ev, fix,
-                        {"count": self._cuda_oom_n, "events": list(self._cuda_oom),
-                         "max_allocated_gb": self._gpu_mem_max[0] if self._gpu_mem_max else None,
-                         "max_cached_gb": self._gpu_mem_max[1] if self._gpu_mem_max else None})]
-
 
     def _judge_config(self) -> list[Finding]:
         out = []

@@ -45,7 +45,7 @@ DS_PREFIX_RE = re.compile(
 SCAN_ANCHORS = (
     # DeepSpeed fp16 loss scaling
     "OVERFLOW", "verflow", "Reducing dynamic", "Increasing dynamic", "Using static loss", "Current loss scale",
-    "Exception: ", "Grad Scale:",
+    "Exception: ", "Grad Scale:", "number of skipped iterations", "╰─> [",
     # memory
     "CUDA out of memory", "OutOfMemoryError", "Out of memory", "Killed", "killed  ", "OOM",
     "CPU Virtual Memory", "Max_MA",
@@ -76,7 +76,9 @@ def by_first_char(words: tuple[str, ...]) -> str:
 #: Process exits, searched on their own: one shared prefix is found by a fast literal search, where inside SCAN_RE
 #: every "x" (a line of x's: 20 MB/s) made `re` try them.
 EXIT_SCAN_RE = re.compile(r"xit(?:s with return code|code| code|ed with)")
-_NONFINITE = r"(?:tensor\()?[-+]?(?i:nan|inf(?:inity)?)(?!\w|\.\w)"
+#: Lightning's progress bar pads a number to 5 characters (``Tqdm.format_num``, lightning
+#: ``pytorch/callbacks/progress/tqdm_progress.py``, 1.x-2.5): nan becomes ``nan.0`` (and inf ``inf.0``)
+_NONFINITE = r"(?:tensor\()?[-+]?(?i:nan|inf(?:inity)?)(?:\.0+(?!\d))?(?!\w|\.\w)"
 #: What stands between a loss's name and its value: ``loss': nan`` / ``"loss": NaN`` / ``loss=nan`` / ``loss: inf`` /
 #: ``train_loss = -inf`` / ``Loss nan`` / ``| loss   | nan |`` (a table) / ``[Loss] nan`` / ``Loss is Infinity``.
 _LOSS_SEP = r"""(?:['"\]]?[ \t]*[:=|][ \t]*['"]?|['"\]]?[ \t]+(?:is[ \t]+)?)"""
@@ -92,7 +94,7 @@ FINITE_LOSS_RE = re.compile(
 #: C++'s "terminate called after". ERROR_SCAN_RE finds the lower-case error lines (gcc's and nvcc's "error:",
 #: "[error]", "cuda runtime error (N)", DeepSpeed's "kernel execution error.", "nvcc error :") -- "Error" and "ERROR"
 #: are anchors of SCAN_RE --, never a metric's "val error 0.05".
-NEEDLES = ("_scale", "| loss scale: ", "segmentation fault", "terminate called after", "died due to signal")
+NEEDLES = ("_scale", "| loss scale: ", "segmentation fault", "terminate called after", "died due to signal", " nan]")
 #: The lower-case error forms, searched with one regex (its literal prefix "error" makes it one fast pass).
 ERROR_SCAN_RE = re.compile(r"error(?:[:\].]| ?\(| +:)")
 #: A traceback's frames and its last line (``ValueError: bad``, ``torch.AcceleratorError: CUDA error: ...``,
@@ -138,6 +140,18 @@ DS_SCALE_CONFIG_RE = re.compile(
 MEGATRON_ITER_RE = re.compile(r"\biteration\s+(?P<it>\d+)/\s*(?P<total>\d+) \|")
 MEGATRON_SCALE_RE = re.compile(rf"\| loss scale: (?P<scale>{NUM}) \|")
 MEGATRON_NORM_RE = re.compile(r"\| grad norm: (?P<val>[^|\s]+)")
+#: Megatron-LM's ``training_log`` counters (megatron/training/training.py, and every fork: Megatron-DeepSpeed,
+#: gpt-neox, NeMo's Megatron): the iterations of the interval whose update was skipped (non-finite gradients; in fp16
+#: the scaler's overflows) and those whose loss was nan/inf
+MEGATRON_COUNTS_RE = re.compile(r"number of skipped iterations:\s*(?P<skipped>\d+)\s*\|\s*number of nan iterations:"
+                                r"\s*(?P<nan>\d+)")
+#: pip >= 21.2 (``pip/_internal/exceptions.py``, ``InstallationSubprocessError``) boxes a build's output: ``  ╰─> [N
+#: lines of output]``, then the N lines indented to the box (6 spaces), then ``[end of output]``
+PIP_BOX_RE = re.compile(r"╰─> \[(?P<n>\d+) lines of output\]")
+#: fastprogress (fastai's bars, fastprogress/fastprogress.py ``ProgressBar.update``): ``71.39% [6930/9707
+#: 3:56:27<1:34:45 0.5432]``, the comment after the times being fastai's smoothed training loss
+#: (``ProgressCallback.after_batch``: ``self.pbar.comment = f'{self.smooth_loss:.4f}'``)
+FASTPROGRESS_RE = re.compile(r"\d+(?:\.\d+)?% \[(?P<n>\d+)/(?P<total>\d+) [\d:]+<[\d:]+ (?P<val>[-+]?(?i:nan|inf))\]")
 #: A custom trainer printing its GradScaler's scale (``Fp16 Grad Scale:  0``) and the step.
 GRAD_SCALE_RE = re.compile(rf"(?i:fp16 )?Grad Scale:[ \t]*(?P<scale>{NUM})")
 GLOBAL_STEP_RE = re.compile(r"Global Step:[ \t]*(\d+)")
@@ -158,8 +172,9 @@ EPOCH_RE = re.compile(r"""['"]epoch['"]:[ \t]*['"]?(\d+(?:\.\d+)?)""")
 
 # memory
 CUDA_OOM_RE = re.compile(rf"CUDA out of memory\.(?: Tried to allocate (?P<req>{_SIZE}))?")
+#: (torch 2.1-2.2 printed "total capacty": the typo is read too)
 CUDA_OOM_GPU_RE = re.compile(
-    rf"GPU (?P<gpu>\d+) has a total capacity of (?P<total>{_SIZE}) of which (?P<free>{_SIZE}) is free"
+    rf"GPU (?P<gpu>\d+) has a total capacit?y of (?P<total>{_SIZE}) of which (?P<free>{_SIZE}) is free"
     rf"|\(GPU (?P<gpu_old>\d+); (?P<total_old>{_SIZE}) total capacity; (?P<alloc_old>{_SIZE}) already allocated;"
     rf" (?P<free_old>{_SIZE}) free")
 CUDA_OOM_FRAG_RE = re.compile(rf"(?P<unalloc>{_SIZE}) is reserved by PyTorch but unallocated")
@@ -167,7 +182,14 @@ CUDA_OOM_FRAG_RE = re.compile(rf"(?P<unalloc>{_SIZE}) is reserved by PyTorch but
 #: memory``, THC's ``cuda runtime error (2) : out of memory``, caffe2's ``error == cudaSuccess. 2 vs 0. ... out of
 #: memory``) or only the exception's type
 CUDA_OOM_ERROR_RE = re.compile(r"CUDA error: out of memory|OutOfMemoryError|cuda runtime error \(2\) : out of memory"
-                               r"|error == cudaSuccess\. 2 vs 0\..*out of memory")
+                               r"|error == cudaSuccess\. 2 vs 0\..*out of memory|Cuda failure '?out of memory")
+#: torch >= 2.1's allocator names what holds the GPU (c10/cuda/CUDACachingAllocator.cpp, from NVML): the other
+#: processes on it, this process (all its memory, PyTorch's or not), and PyTorch's own part
+CUDA_OOM_PROC_RE = re.compile(rf"Process (?P<pid>\d+) has (?P<size>{_SIZE}) memory in use")
+CUDA_OOM_SELF_RE = re.compile(rf"this process has (?P<size>{_SIZE}) memory in use")
+#: torch 1.x-2.0's ``(GPU 0; 10.76 GiB total capacity; 996.23 MiB already allocated; 8.81 MiB free; 1010.00 MiB
+#: reserved in total by PyTorch)``: what the allocator holds (``cached`` in torch <= 1.5)
+CUDA_OOM_RESERVED_RE = re.compile(rf"(?P<size>{_SIZE}) (?:reserved in total by PyTorch|cached)")
 MEM_GPU_RE = re.compile(rf"MA ({NUM}) GB\s+Max_MA ({NUM}) GB\s+CA ({NUM}) GB\s+Max_CA ({NUM}) GB")
 MEM_CPU_RE = re.compile(rf"CPU Virtual Memory:\s+used = ({NUM}) GB, percent = ({NUM})%")
 HOST_OOM_RE = re.compile(
@@ -294,6 +316,9 @@ RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ("_scale", DS_SCALE_CONFIG_RE, "_on_scale_config"),
     ("| loss scale: ", MEGATRON_SCALE_RE, "_on_megatron_iteration"),
     ("Grad Scale:", GRAD_SCALE_RE, "_on_grad_scale"),
+    ("number of nan iterations", MEGATRON_COUNTS_RE, "_on_megatron_counts"),
+    ("lines of output]", PIP_BOX_RE, "_on_pip_box"),
+    ("% [", FASTPROGRESS_RE, "_on_fastprogress"),
     ("loss_scale", PRINTED_SCALE_RE, "_on_printed_scale"),
     ("oss", LOSS_RE, "_on_loss"),
     ("_norm", NORM_RE, "_on_norm"),

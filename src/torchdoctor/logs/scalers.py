@@ -2,11 +2,12 @@
 :mod:`.scale_trajectory`, so a collapse is judged the same whoever printed it.
 
 Each :class:`ScalerMessage` says what a line of one scaler means -- an overflow that skipped a step and lowered the
-scale (named groups ``att``, the scale that overflowed, and ``new``, the one after; or ``lg``, the log2 of the new
-scale), a rise (``up``), the scaler giving up at its minimum (``min``) -- and that scaler's defaults: where it
-starts, its floor (``None``: it has none and halves towards 0, so below 1 every scale overflows: collapsed), and
-whether reaching the floor stops the run. DeepSpeed's own lines (``[deepspeed] OVERFLOW!``, hysteresis, "Current
-loss scale already at minimum") keep their dedicated rules in :mod:`.patterns`; the rest are here.
+scale (named groups ``att``, the scale that overflowed, and ``new``, the one after, or ``ratio``, what ``att`` is
+multiplied by; or ``lg``, the log2 of the new scale), a rise (``up``), the scaler giving up at its minimum (``min``) --
+and that scaler's defaults: where it starts, its floor (``None``: it has none and halves towards 0, so below 1 every
+scale overflows: collapsed), and whether reaching the floor stops the run. DeepSpeed's own lines (``[deepspeed]
+OVERFLOW!``, hysteresis, "Current loss scale already at minimum") keep their dedicated rules in :mod:`.patterns`; the
+rest are here.
 
 Sources (the format strings, read at the commits named):
 
@@ -29,6 +30,11 @@ Sources (the format strings, read at the commits named):
   {scale}" (floor 1 in its plugins); ``zero/low_level/low_level_optim.py`` "Found overflow. Skip step".
 - open-mmlab/mmcv 1.x@1d8f9285674f ``mmcv/runner/hooks/optimizer.py`` (``Fp16OptimizerHook``, torch < 1.6) "Check
   overflow, downscale loss scale to {scale}" (``fp16_utils.LossScaler``: floor 1).
+- PaddlePaddle/Paddle ``python/paddle/amp/grad_scaler.py`` (``AmpScaler._update``, Paddle 2.1-3.x; 2.1's print had no
+  spaces after the commas): "Found inf or nan, current scale is: {scale}, decrease to: {scale}*{decr_ratio}" -- the
+  scale that overflowed and the ratio it is multiplied by (default 0.5); ``GradScaler`` starts at
+  ``init_loss_scaling=2**15`` and has no floor: it multiplies towards 0 (PaddleClas, PaddleSeg, PaddleDetection and
+  PaddleNLP train through it).
 - openai/guided-diffusion ``guided_diffusion/train_util.py`` (and improved-diffusion, copies in diffusion trainers;
   index copies of ``optimize_fp16``) "Found NaN, decreased lg_loss_scale to {lg}": the scale is ``2 ** lg``, lowered
   by one power of two per overflow, raised by ``fp16_scale_growth`` per good step; no floor.
@@ -90,13 +96,20 @@ MESSAGES: tuple[ScalerMessage, ...] = (
                   "overflow", 2.0**16, 1.0, False),
     ScalerMessage("mmcv Fp16OptimizerHook", "downscale loss scale", re.compile(
         rf"Check overflow, downscale loss scale to (?P<new>{NUM})"), "overflow", 2.0**32, 1.0, False),
+    ScalerMessage("PaddlePaddle GradScaler", "Found inf or nan", re.compile(
+        rf"Found inf or nan, ?current scale is: ?(?P<att>{NUM}), ?decrease to: ?{NUM}\*(?P<ratio>{NUM})"),
+        "overflow", 2.0**15, None, False,
+        "Paddle: paddle.amp.auto_cast(level='O1', dtype='bfloat16') on GPUs that have bf16 (no scaler needed), or "
+        "train in fp32 (drop the amp config); GradScaler(init_loss_scaling=..., decr_every_n_nan_or_inf=...) only "
+        "moves where the fall starts"),
     ScalerMessage("guided-diffusion", "decreased lg_loss_scale", re.compile(
         rf"Found NaN, decreased lg_loss_scale to (?P<lg>{NUM})"), "overflow", 2.0**20, None, False),
 )
 
 #: literals for the scanner's prefilter: each message's line holds one
 ANCHORS = ("Gradient overflow", "Skipping step", "Using dynamic loss scale", "Minimum loss scale", "AMP: overflow",
-           "Overflow occurs", "Found overflow", "No overflow for", "Check overflow", "Found NaN, decreased")
+           "Overflow occurs", "Found overflow", "No overflow for", "Check overflow", "Found NaN, decreased",
+           "Found inf or nan")
 NEEDLES: tuple[str, ...] = ()  # fairseq's "gradient overflow detected": the analyzer's "verflow" anchor
 
 

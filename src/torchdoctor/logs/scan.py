@@ -16,7 +16,7 @@ from collections import deque
 from functools import lru_cache, partial
 from typing import Any
 
-from . import nonfinite, scalers
+from . import nonfinite, scalers, tables
 from . import patterns as P
 from .common import (
     CURRENT,
@@ -132,6 +132,9 @@ class Scanner(Reader, Progress):
         pos += [m.start() for m in P.ERROR_SCAN_RE.finditer(buf, 0, end)]
         pos += [m.start() for m in P.LOSS_SCAN_RE.finditer(buf, 0, end)]
         pos += [m.start() for m in P.NORM_SCAN_RE.finditer(buf, 0, end)]
+        pos += [m.start() for m in tables.HEADER_SCAN_RE.finditer(buf, 0, end)]
+        if self._table is not None:  # a table's rows: only those with a nan/inf field
+            pos += [m.end() - 1 for m in tables.ROW_SCAN_RE.finditer(buf, 0, end)]
         for needle in NEEDLES:
             i = buf.find(needle, 0, end)
             while i >= 0:
@@ -289,6 +292,8 @@ class Scanner(Reader, Progress):
         tables put back together (a wrap that became a space inside a word)."""
         if "\x1b" in seg:
             seg = P.ANSI_RE.sub("", seg)
+        if self._box is not None:
+            seg = self._unbox(seg, lineno)
         line = strip_prefixes(seg)
         self._phys, self._line = seg, line
         if not self._deepspeed and ("eepspeed" in seg or "eepSpeed" in seg or "skipped=" in seg):
@@ -300,6 +305,8 @@ class Scanner(Reader, Progress):
         if "skipped=" in text:
             self._resolve_progress()
             self._ds_step_line(text)
+        if self._table_line(text, lineno):
+            return
         if "   " in text.strip():  # a terminal's padding inside a line: the word it cut is put together first
             text = self._rejoined(text)
             fired, keyed = self._rules(text, lineno)
@@ -331,6 +338,36 @@ class Scanner(Reader, Progress):
                 self._on_unknown_line(text, lineno)
             except Exception:  # noqa: BLE001
                 self._internal_errors += 1
+
+    def _unbox(self, seg: str, lineno: int) -> str:
+        """A line inside pip's box (``╰─> [N lines of output]``) without the box's indent: the build's own line, so its
+        traceback's exception line is one (an indented line never ends a traceback)."""
+        first, last, prefix, indent = self._box  # type: ignore[misc]
+        if lineno > last or "[end of output]" in seg:
+            self._box = None
+            return seg
+        if lineno > first and seg.startswith(prefix) and seg[len(prefix):indent].isspace():
+            return seg[:len(prefix)] + seg[indent:]
+        return seg
+
+    def _table_line(self, text: str, lineno: int) -> bool:
+        """A table's header (kept as the columns) or a row of it with a nan/inf under a loss column (a non-finite
+        loss): :mod:`.tables`. True when the line was one of them."""
+        if tables.HEADER_SCAN_RE.search(text):
+            cols = tables.header(text)
+            if cols is not None:
+                self._table = cols
+                return True
+        if self._table is None or not tables.ROW_SCAN_RE.search(text):
+            return False
+        values = tables.row(text, self._table)
+        if not values:
+            return False
+        bad = [(c, v) for c, v in values.items() if tables.nonfinite(v)]
+        if bad:
+            self._resolve_progress()
+            self._nonfinite_loss(text, lineno, bad[0][0], bad[0][1])
+        return True
 
     def _rejoined(self, text: str) -> str:
         fixed = rejoin(text, VOCABULARY)

@@ -20,6 +20,11 @@ Message table (each regex names where its text is printed):
 - CUDA's ``host_config.h``: "unsupported GNU version! gcc versions later than N are not supported!"; nvcc "nvcc
   fatal : ...", "nvcc error : 'cicc' died due to signal 9"; gcc "fatal error: Killed signal terminated program
   cc1plus"; ninja "ninja: build stopped: ...".
+- Dao-AILab/flash-attention ``setup.py`` (v2.0-v2.7, copied by mamba-ssm, causal-conv1d and others):
+  ``raise_if_cuda_home_none`` "{name} was requested, but nvcc was not found. Are you sure your environment has nvcc
+  available?" (a warning in later versions, before the build fails), and ``get_cuda_bare_metal_version`` running
+  ``CUDA_HOME/bin/nvcc -V``: CPython's "FileNotFoundError: [Errno 2] No such file or directory:
+  '/usr/local/cuda/bin/nvcc'" when the toolkit is not there.
 - CPython's ``dlopen`` error passed into ``ImportError`` (reproduced with torch 2.13): "ImportError: {path}.so:
   undefined symbol: {mangled}"; torch's op registry "operator torchvision::nms does not exist" (torchvision's C++
   ops not loaded: built for another torch); facebookresearch/xformers@ca6d2aa0d432 ``xformers/_cpp_lib.py``
@@ -52,7 +57,9 @@ TORCH_CUDA_MISMATCH_ARGS_RE = re.compile(
 TORCH_CUDA_MISMATCH_RAISE_RE = re.compile(r"raise RuntimeError\(CUDA_MISMATCH_MESSAGE\b")
 CUDA_HOME_RE = re.compile(r"CUDA_HOME does not exist, unable to compile CUDA op\(s\)|CUDA was not found on the system"
                           r"|Unable to run (\S+), unable to compile CUDA op\(s\)"
-                          r"|CUDA_HOME environment variable is not set")
+                          r"|CUDA_HOME environment variable is not set"
+                          r"|was requested, but nvcc was not found"
+                          r"|No such file or directory: '[^']*/bin/nvcc'")
 NO_CUDA_RUNTIME_RE = re.compile(r"No CUDA runtime is found, using CUDA_HOME='(?P<home>[^']*)'")
 GCC_TOO_NEW_RE = re.compile(r"unsupported GNU version! gcc versions later than (\d+) are not supported")
 #: PyTorch's own headers (not CUDA's): the compiler is too old for PyTorch itself
@@ -107,6 +114,8 @@ class Build(Family):
         ("The detected CUDA version (%s)", TORCH_CUDA_MISMATCH_ARGS_RE, "on_torch_cuda_mismatch"),
         ("CUDA_MISMATCH_MESSAGE", TORCH_CUDA_MISMATCH_RAISE_RE, "on_torch_cuda_mismatch_raise"),
         ("CUDA", CUDA_HOME_RE, "on_cuda_home"),
+        ("nvcc was not found", CUDA_HOME_RE, "on_cuda_home"),
+        ("/bin/nvcc'", CUDA_HOME_RE, "on_cuda_home"),
         ("No CUDA runtime is found", NO_CUDA_RUNTIME_RE, "on_no_cuda_runtime"),
         ("unsupported GNU version", GCC_TOO_NEW_RE, "on_gcc_too_new"),
         ("We need ", TORCH_GCC_RE, "on_torch_gcc"),
@@ -128,7 +137,7 @@ class Build(Family):
                "ja: build stopped", "Error building extension", "CUDA op(s)", "CUDA was not found",
                "The detected CUDA version", "The current installed version of", "CUDA_MISMATCH_MESSAGE",
                "Unable to JIT load", "Unable to run", "CUDA_HOME", "No CUDA runtime", "C++17",
-               "DeepSpeed ops were compiled", "xFormers")
+               "DeepSpeed ops were compiled", "xFormers", "vcc was not found")
     NEEDLES = ()  # "undefined symbol", "does not exist", "died due to signal": on an error line ("rror")
     CAUSE_EVENTS = frozenset({"cuda-mismatch", "cuda-home", "compiler-error", "build-failed", "undefined-symbol"})
     #: handler -> the regex its first line matches when the message goes on over the next lines
