@@ -464,7 +464,9 @@ class Handlers(CrashHandlers):
 
     def _on_slurm_cancel(self, m: re.Match, seg: str, lineno: int) -> None:
         self._event(lineno, "cancelled", seg)
-        self._cancel = {"line": lineno, "reason": m.group(2), "text": self._quote(seg)}
+        if self._cancel is None or (self._cancel["what"] == "STEP" and m["what"] == "JOB"):  # the job's line first
+            self._cancel = {"line": lineno, "reason": m["why"] or "scancel", "what": m["what"], "id": m["id"],
+                            "node": m["node"] or m["node2"], "at": m["at"], "text": self._quote(seg)}
 
     # ------------------------------------------------------------------------------------ DeepSpeed config
     def _build(self, lst: list, lineno: int, seg: str, event: str, key: Any = None, **d: Any) -> None:

@@ -4,6 +4,9 @@ and :mod:`.handlers_crash`, which record them)."""
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 from ..findings import Finding
 from .common import at_step
 
@@ -40,23 +43,7 @@ class CudaJudge:
                  "the error goes; a failing GPU shows Xid lines in dmesg"],
                 data_of("illegal-memory-access")))
         if "device-assert" in errs or self._device_asserts:  # the kernel's own assert line alone says it too
-            ev = (ev_of("device-assert") if "device-assert" in errs else []) + [
-                f"line {a['line']}: {a['text']}" for a in self._device_asserts[:2]]
-            conds = " ".join(a["cond"] for a in self._device_asserts)
-            fix = [blocking,
-                   "a device-side assert is an index out of range inside a kernel: labels outside [0, num_classes) "
-                   "(or -1 instead of ignore_index=-100) in cross_entropy, token ids >= the embedding's size "
-                   "(a tokenizer with added tokens: model.resize_token_embeddings(len(tokenizer)))",
-                   "run the same batch on the CPU: the same mistake is a readable IndexError there"]
-            if "n_classes" in conds:
-                fix.insert(0, "the assert is cross-entropy's `t >= 0 && t < n_classes`: a label is negative or >= "
-                              "the number of classes")
-            elif "srcIndex" in conds or "index out of bounds" in conds:
-                fix.insert(0, "the assert is an indexing kernel's (embedding / index_select): an index >= the "
-                              "table's size, usually a token id >= vocab size")
-            out.append(Finding("cuda.device-assert", "fail", "CUDA error: device-side assert triggered", ev, fix,
-                               {**(data_of("device-assert") if "device-assert" in errs else {"count": 0}),
-                                "asserts": list(self._device_asserts)}))
+            out.append(self._device_assert_finding(ev_of, data_of, blocking))
         if "no-kernel-image" in errs or self._cuda_capability:
             cap = self._cuda_capability
             ev = ev_of("no-kernel-image") if "no-kernel-image" in errs else []
@@ -123,6 +110,43 @@ class CudaJudge:
             out.append(Finding("cuda.error", "fail", f"CUDA error: {msg}", ev_of("error"), fix, data_of("error")))
         return out
 
+    def _device_assert_finding(self, ev_of: Any, data_of: Any, blocking: str) -> Finding:
+        """A device-side assert, read by its condition (the kernel's ``Assertion `cond` failed`` line): what the
+        kernel refused and the fix for that, not a guess; with a non-finite loss before it, that is named first."""
+        errs = self._cuda_errors
+        ev = (ev_of("device-assert") if "device-assert" in errs else []) + [
+            f"line {a['line']}: {a['text']}" for a in self._device_asserts[:2]]
+        conds = [a["cond"] for a in self._device_asserts]
+        known = next(((what, fix) for c in conds for rx, what, fix in DEVICE_ASSERTS if rx.search(c)), None)
+        first_line = min([a["line"] for a in self._device_asserts]
+                         + [e["line"] for e in errs.get("device-assert", {}).get("events", [])] or [0])
+        nf = self._loss_first if self._loss_first and self._loss_first["line"] <= first_line else None
+        if known is not None:
+            what, fix0 = known
+            title = f"CUDA device-side assert: {what}"
+            fix = [fix0, blocking, "run the same batch on the CPU: the same input is a readable error there"]
+        elif conds:
+            title = f"CUDA device-side assert: a kernel refused its input (`{conds[0]}`)"
+            fix = [f"the condition `{conds[0]}` is what the kernel checks: find the op by its file in the assert "
+                   "line and check that input's range", blocking,
+                   "run the same batch on the CPU: the same input is a readable error there"]
+        else:
+            title = "CUDA error: device-side assert triggered (the kernel's assert line is not in the log)"
+            fix = [blocking, "the assert line (`...Assertion `cond` failed`) goes to the job's stderr: it names the "
+                   "kernel and the condition; usual ones are labels or indices out of range (cross_entropy, "
+                   "embedding, index_select) and values outside [0, 1] for binary_cross_entropy",
+                   "run the same batch on the CPU: the same mistake is a readable error there"]
+        if nf is not None and known is not None and "probabilit" in known[0]:
+            title += f"; the loss was already {nf['value']} at line {nf['line']}"
+            fix.insert(0, f"the loss was non-finite before the assert (line {nf['line']}): NaN predictions fail "
+                          "this check, so the NaN is the cause -- find where it starts (torchdoctor.NumericsMonitor), "
+                          "lower the learning rate, or compute the loss from logits (BCEWithLogitsLoss)")
+        return Finding("cuda.device-assert", "fail", title, ev, fix,
+                       {**(data_of("device-assert") if "device-assert" in errs else {"count": 0}),
+                        "asserts": list(self._device_asserts), "condition": conds[0] if conds else None,
+                        "meaning": known[0] if known else None,
+                        "nonfinite_loss_before": nf["line"] if nf else None})
+
     def _xid_finding(self) -> Finding:
         codes = sorted({x["code"] for x in self._xids})
         meaning = [f"Xid {c}: {XID_MEANINGS[c]}" for c in codes if c in XID_MEANINGS]
@@ -178,4 +202,30 @@ CUDA_ERROR_HINTS = (
      "status nvidia-fabricmanager, with the same version as the driver"),
     (("CUBLAS_STATUS", "CUDNN_STATUS"), "a cuBLAS/cuDNN failure is often an earlier error surfacing (an illegal "
      "access, out of memory) or mismatched shapes/dtypes; CUDA_LAUNCH_BLOCKING=1 shows which"),
+)
+
+#: A device-side assert's condition (the ``Assertion `...` failed`` line torch's kernels print) -> what it means, the
+#: fix. Read from pytorch/pytorch: aten/src/ATen/native/cuda/Loss.cu (binary_cross_entropy: ``input_val >= zero &&
+#: input_val <= one``; nll_loss: ``t >= 0 && t < n_classes``), THCUNN's BCECriterion.cu (torch <= 1.4: ``input >= 0.
+#: && input <= 1.``), Indexing.cu (index_select / embedding: ``srcIndex < srcSelectDimSize``), IndexKernel.cu and
+#: ScatterGatherKernel.cu (``... && "index out of bounds"``), MultiMarginCriterion / MultiLabelMarginCriterion
+#: (``cur_target >= 0 && cur_target < dim``).
+DEVICE_ASSERTS: tuple[tuple[re.Pattern[str], str, str], ...] = (
+    (re.compile(r"input_val >= zero && input_val <= one|input >= 0\. && input <= 1\."),
+     "binary_cross_entropy got an input outside [0, 1] (its input must be probabilities)",
+     "binary_cross_entropy / BCELoss takes probabilities in [0, 1]: a NaN prediction fails this check as well as a "
+     "raw logit does -- feed logits to BCEWithLogitsLoss (F.binary_cross_entropy_with_logits) instead of a sigmoid + "
+     "BCELoss (also the form autocast keeps stable), and check the predictions for nan before the loss"),
+    (re.compile(r"t >= 0 && t < n_classes|cur_target >= 0 && cur_target < (?:n_classes|dim)"),
+     "a class label is negative or >= the number of classes (cross_entropy / nll_loss)",
+     "a label outside [0, num_classes): check labels.min() and labels.max() against the model's output size; "
+     "a padding label of -1 needs ignore_index=-1 (the default ignore_index is -100); labels counted from 1 need -1"),
+    (re.compile(r"srcIndex < srcSelectDimSize"),
+     "an index >= the size of the table it selects from (embedding / index_select)",
+     "an index >= the table's size: a token id >= the embedding's num_embeddings (a tokenizer with added tokens "
+     "needs model.resize_token_embeddings(len(tokenizer))), or an index_select past the dimension"),
+    (re.compile(r"index out of bounds"),
+     "an index out of bounds in an indexing, gather or scatter kernel",
+     "an index outside the indexed dimension (x[idx], gather, scatter, index_put): check idx.min() and idx.max() "
+     "against the size of that dimension"),
 )

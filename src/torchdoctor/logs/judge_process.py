@@ -83,7 +83,7 @@ class ProcessJudge:
                             "and lazily (from_pretrained(..., low_cpu_mem_usage=True), torch.load(..., mmap=True), "
                             "safetensors), fewer ranks or dataloader workers per node, or a node with more RAM"]
                 if self._cancel:
-                    cause = f"the job was cancelled by the scheduler ({self._cancel['reason'].lower()})"
+                    cause = f"the job was cancelled by Slurm ({self._cancel['reason'].lower()}): see process.cancelled"
                 elif self._host_oom_n:
                     cause = "the kernel's OOM killer (confirmed by the log): host RAM ran out"
                 elif run is not None and run["oom_killer"]:
@@ -145,6 +145,8 @@ class ProcessJudge:
             title = f"{culprit} {verb} {signal_name(sig)} ({-sig}){core}: {cause}"
             out.append(Finding("process.killed", sev, title, ev, fix,
                                {"kills": kills, "host_oom": self._host_oom_n > 0, **data_common}))
+        if self._cancel:
+            out.append(self._cancelled())
         if exits:
             first = exits[0]
             codes = sorted({x["code"] for x in exits})
@@ -165,3 +167,26 @@ class ProcessJudge:
                  "setup", "dmesg -T | grep -i oom shows which process was killed"],
                 {"kills": [], "host_oom": True, **data_common}))
         return out
+
+    def _cancelled(self) -> Finding:
+        """Slurm's own line that it cancelled the job or a step, and why (slurmstepd's reason words)."""
+        c = self._cancel
+        why = c["reason"]
+        what = f"{'job' if c['what'] == 'JOB' else 'job step'} {c['id']}" + (f" on {c['node']}" if c["node"] else "")
+        fixes = {
+            "TIME LIMIT": "the job reached its time limit (sbatch --time): raise it within the partition's limit, or "
+                          "checkpoint and resume -- sbatch --signal=B:USR1@300 gives the script 5 minutes' notice "
+                          "to save, and --requeue restarts it to resume from the last checkpoint",
+            "PREEMPTION": "a job of higher priority preempted it: submit with --requeue and resume from a checkpoint, "
+                          "or use a partition or QOS without preemption",
+            "NODE FAILURE": "the node failed (slurmctld's log says why): resubmit with --exclude=NODE and tell the "
+                            "cluster's admins",
+        }
+        fix = [fixes.get(why, "no reason in the line: a user or an admin ran scancel, or Slurm stopped it for a "
+                              "reason of its own -- sacct -j JOBID -o JobID,State,ExitCode,Reason,Elapsed,Timelimit "
+                              "says which"),
+               "sacct -j JOBID -o JobID,State,ExitCode,Elapsed,Timelimit shows the state Slurm recorded"]
+        reason = "by scancel or an admin (no reason given)" if why == "scancel" else f"due to {why.lower()}"
+        return Finding("process.cancelled", "fail", f"Slurm cancelled {what} at {c['at']} {reason}",
+                       [f"line {c['line']}: {c['text']}"], fix, dict(c))
+

@@ -214,7 +214,12 @@ BASH_KILLED_RE = re.compile(r"(?:^|(?:it/s|s/it)[^\]\n]{0,80}\])\s*Killed\s*$|: 
 #: train.py``, or a job's ``[1]  + 26478 killed     python train.py`` (also right after a progress bar)
 ZSH_KILLED_RE = re.compile(r"(?:^|\]|zsh: )\s*(?:\[\d+\]\s+[+-]?\s*(\d+)\s+)?killed {2,}\S")
 SIGTERM_SENT_RE = re.compile(r"Sending process (\d+) closing signal (SIG\w+)")
-SLURM_CANCEL_RE = re.compile(r"CANCELLED AT (\S+) DUE TO (TIME LIMIT|PREEMPTION|NODE FAILURE)")
+#: slurmstepd (SchedMD/slurm ``src/slurmd/slurmstepd/req.c`` and ``mgr.c``, 17.x-24.x): "*** JOB|STEP {id} ON {node}
+#: CANCELLED AT {time} DUE TO TIME LIMIT|PREEMPTION|NODE FAILURE, SEE SLURMCTLD LOG FOR DETAILS ***", without "DUE TO"
+#: for scancel; releases before 17 wrote "*** JOB {id} CANCELLED AT {time} DUE TO TIME LIMIT on {node} ***"
+SLURM_CANCEL_RE = re.compile(
+    r"\*\*\* (?P<what>JOB|STEP) (?P<id>[\w.+]+) (?:ON (?P<node>\S+) )?CANCELLED AT (?P<at>\S+)"
+    r"(?: DUE TO (?P<why>[A-Z][A-Z ]*[A-Z]))?(?:, SEE SLURMCTLD LOG FOR DETAILS)?(?: on (?P<node2>\S+))?[^*]*\*\*\*")
 
 # crashes (see handlers_crash.py)
 _PFX = r"^(?:\[(?:rank|default)\d+\]:[ ]?)?"

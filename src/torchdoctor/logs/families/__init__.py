@@ -8,8 +8,9 @@ is at, the lines that follow. Message tables cite the source file (and commit or
 
 Families: :mod:`.comm` (NCCL, c10d, gloo, the store and rendezvous), :mod:`.build` (CUDA toolkits, host compilers,
 extensions built for another torch), :mod:`.hostmem` (host RAM that ran out inside the program), :mod:`.gpu` (GPUs a
-kernel library or this torch does not support). The numerics of a run (the fp16 loss scale, non-finite losses and
-gradients: :mod:`..scalers`, :mod:`..nonfinite`) and crashes share the analyzer's own state and stay in its mixins.
+kernel library or this torch does not support), :mod:`.shm` (shared memory, /dev/shm, that ran out). The numerics of a
+run (the fp16 loss scale, non-finite losses and gradients: :mod:`..scalers`, :mod:`..nonfinite`) and crashes share the
+analyzer's own state and stay in its mixins.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from .build import Build
 from .comm import Comm
 from .gpu import GpuSupport
 from .hostmem import HostMemory
+from .shm import SharedMemory
 
 #: every family, in the order their findings are listed
-FAMILIES: tuple[type[Family], ...] = (Comm, Build, HostMemory, GpuSupport)
+FAMILIES: tuple[type[Family], ...] = (Comm, Build, HostMemory, SharedMemory, GpuSupport)
 
-__all__ = ["FAMILIES", "Build", "Comm", "Family", "GpuSupport", "HostMemory", "LineContext"]
+__all__ = ["FAMILIES", "Build", "Comm", "Family", "GpuSupport", "HostMemory", "LineContext", "SharedMemory"]
