@@ -5,6 +5,7 @@ A stage that never returns is the watchdog's business (:mod:`torchdoctor.comm.se
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -39,9 +40,28 @@ def all_reduce(torch, dist, device, rank: int, n: int) -> None:
     _compare(torch, x, i * (n * (n + 1) // 2), "all_reduce sum")
 
 
-def all_gather_identity(dist, ident: dict[str, Any], n: int, expected: dict[int, dict]) -> None:
-    got: list[Any] = [None] * n
-    dist.all_gather_object(got, ident)
+def all_gather_json(torch, dist, device, obj: Any, n: int) -> list[Any]:
+    """Every rank's ``obj`` (plain JSON data), in rank order: the sizes gathered, then the encoded bytes padded to the
+    longest. Not ``all_gather_object``: that turns the bytes back with ``tensor.numpy()`` (torch 2.x
+    ``distributed_c10d._tensor_to_object``), and numpy is no dependency of torch's wheel -- without it every rank
+    fails with "Numpy is not available"; and JSON, unlike its pickle, runs no code of another process."""
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(n)]
+    dist.all_gather(sizes, size)
+    lengths = [int(s.item()) for s in sizes]
+    longest = max(lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)]
+    dist.all_gather(parts, mine)
+    return [json.loads(bytes(p[:k].cpu().tolist())) for p, k in zip(parts, lengths)]
+
+
+def all_gather_identity(torch, dist, device, ident: dict[str, Any], n: int, expected: dict[int, dict]) -> None:
+    got = all_gather_json(torch, dist, device, ident, n)
     for r, g in enumerate(got):
         want = expected.get(r)
         if not isinstance(g, dict) or g.get("rank") != r or (want and g.get("pid") != want.get("pid")):

@@ -6,7 +6,7 @@ pair every rank with every other exactly once in N-1 rounds (N rounds for an odd
 each rank in one pair per round, so 64 ranks take 63 rounds, not 2016 pair runs. In a pair the lower rank sends
 first: ``warmup`` sends, then ``iters`` timed ones, the receiver timing from its first timed receive to its last
 (the sender sends back to back, so that is the link's throughput); then the other direction. Each rank keeps what it
-received; one ``all_gather_object`` at the end puts the matrix on every rank.
+received; one gather at the end (:func:`~.checks.all_gather_json`) puts the matrix on every rank.
 
 Links are classed by kind (:func:`link_class`): the same host or another host; on GPUs of one host, NVLink or PCIe as
 NVML reports it (``pynvml``, when installed), else whether torch says the two devices reach each other directly. A

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..findings import Finding
+from .errors import OWN_KINDS, own_findings
 from .identity import describe, device_label
 
 STAGES = ("connect", "join", "init", "device", "all_reduce", "all_gather", "broadcast", "ring", "barrier",
@@ -131,7 +132,8 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
         r for r in running if stage_index((snap[r].get("stage") or {}).get("name")) < failed_at]
     wrong = [r for r, f in broken.items() if f.get("kind") == "wrong"]
     usage = [r for r, f in broken.items() if f.get("kind") == "usage"]
-    primary = sorted({*missing, *dead, *stuck, *wrong, *usage})
+    own_kind = [r for r, f in broken.items() if f.get("kind") in OWN_KINDS]  # not the network: a module, a bug
+    primary = sorted({*missing, *dead, *stuck, *wrong, *usage, *own_kind})
     # Without a dead, missing or stuck rank, the ranks that raised at the earliest stage failed on their own;
     # ranks that raised or timed out later were waiting on them.
     errors = {r: f for r, f in broken.items() if f.get("kind") == "error"}
@@ -147,6 +149,8 @@ def judge(snap: Mapping[int, Mapping[str, Any]], backend: str, timeout: float,
                                 fix=["run with --backend gloo (or auto) on machines without CUDA"],
                                 data={"ranks": usage}))
 
+    findings += own_findings(broken, _ranks, lambda r: describe(ident[r], r))
+    blame += [f"{describe(ident[r], r)} failed in {broken[r]['stage']}" for r in own_kind]
     for r in missing:
         what = "never joined" if not store_lost else "sent no word (the side channel was lost)"
         blame.append(f"rank {r} {what}")

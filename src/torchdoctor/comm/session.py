@@ -26,7 +26,7 @@ from typing import NoReturn
 
 from ..findings import Finding, render_text, use_color
 from ..jsonfile import dumps
-from . import checks, identity, rules
+from . import checks, errors, identity, rules
 from .launch import Launch
 from .procs import process_status
 from .sidechannel import SideChannel, StoreUnreachable
@@ -151,8 +151,8 @@ class RankSession:
             yield
         except checks.WrongResult as e:
             self.fail("wrong", str(e))
-        except Exception as e:  # any failure inside a stage is a verdict, not a traceback
-            self.fail("error", f"{type(e).__name__}: {str(e).strip()}")
+        except Exception as e:  # any failure inside a stage is a verdict, not a traceback: said as what it is
+            self.fail(*errors.classify(e))
         self.deadline = None
 
     def _watchdog(self) -> None:
@@ -404,7 +404,7 @@ class RankSession:
         with self.run_stage("all_reduce"):
             checks.all_reduce(torch, dist, comm_device, rank, n)
         with self.run_stage("all_gather", "identities"):
-            checks.all_gather_identity(dist, me, n, idents)
+            checks.all_gather_identity(torch, dist, comm_device, me, n, idents)
         with self.run_stage("broadcast", "from rank 0"):
             checks.broadcast(torch, dist, comm_device, rank)
         if n > 1:  # NCCL refuses a send to oneself; one rank has no link to test anyway
@@ -457,8 +457,7 @@ class RankSession:
             got = pairs.measure(torch, dist, device, rank, n, self.opts.pair_size, self.opts.pair_iters, 1,
                                 on_round, self.touch)
         with self.run_stage("pairs", "gather"):
-            everyone: list = [None] * n
-            dist.all_gather_object(everyone, [[s, d, t] for (s, d), t in got.items()])
+            everyone = checks.all_gather_json(torch, dist, device, [[s, d, t] for (s, d), t in got.items()], n)
         measured = {(s, d): t for part in everyone for s, d, t in part or ()}
         self.pair_links = pairs.links(measured, self.opts.pair_size, self.idents)
 
