@@ -216,7 +216,7 @@ def check_cuda_path_order(facts: Facts) -> list[Finding]:
     for e in (p, ld):
         if e is not None:
             tk = facts.toolkit(e.toolkit)
-            ev.append(f"{e.var}[{e.index}] = {e.path} -> {e.toolkit} (CUDA {tk.version if tk else '?'})")
+            ev.append(f"{e.var}[{e.index}] = {e.path} -> {e.toolkit} (CUDA {(tk.version if tk else None) or '?'})")
     stray = [e for e in facts.path_entries if e.var == "LD_LIBRARY_PATH" and not e.toolkit and e.libcudart
              and (ld is None or e.index < ld.index)]
     if stray:
@@ -356,7 +356,7 @@ def _home_label(facts: Facts, home: str) -> str:
     tk = (facts.toolkit(bh.toolkit_root) if bh else None) or toolkit_at(facts, home)
     if bh is None:
         return _tk_label(tk)
-    parts = [f"bin/nvcc (CUDA {bh.version}" + (f", runs {bh.toolkit_root})" if bh.toolkit_root
+    parts = [f"bin/nvcc (CUDA {bh.version or '?'}" + (f", runs {bh.toolkit_root})" if bh.toolkit_root
                                                 and _norm(bh.toolkit_root) != _norm(home) else ")"),
              f"headers in {bh.include}", f"libcudart in {bh.lib_dir}"]
     return ", ".join(parts)

@@ -13,6 +13,7 @@ import os
 import shlex
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -87,9 +88,18 @@ def _secs(t: float) -> str:
 def _spawn(cmd: list[str], timeout: float, env: Mapping[str, str] | None = None,
            cwd: str | None = None) -> tuple[int | None, str, str]:
     """(returncode, stdout, stderr); returncode None when it ran past ``timeout``: then it and every process it
-    started (its session's process group: a shell script's ``sleep`` too) are killed, and the output so far kept."""
+    started (its session's process group: a shell script's ``sleep`` too) are killed, and the output so far kept.
+
+    The tool gets a temporary folder of its own (TMPDIR, TMP, TEMP), removed when it ends however it ends: what it
+    leaves there -- nvcc's ``tmpxft_*`` files when its host compiler hangs and both are killed -- goes with it."""
+    with tempfile.TemporaryDirectory(prefix="torchdoctor-tool-") as tmp:
+        own = {**(os.environ if env is None else env), "TMPDIR": tmp, "TMP": tmp, "TEMP": tmp}
+        return _spawn_in(cmd, timeout, own, cwd)
+
+
+def _spawn_in(cmd: list[str], timeout: float, env: dict[str, str], cwd: str | None) -> tuple[int | None, str, str]:
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=None if env is None else dict(env), cwd=cwd, start_new_session=True)
+                         env=env, cwd=cwd, start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)
         return p.returncode, out, err
