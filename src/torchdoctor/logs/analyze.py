@@ -129,16 +129,11 @@ def analyze_stream(stream: BinaryIO, chunk_size: int = CHUNK_BYTES, *, wraps: bo
 
     A gzip stream that ends early or is damaged part-way (:class:`Gunzip`, or ``gzip.open``'s ``EOFError`` /
     ``BadGzipFile`` / ``zlib.error``) is analysed up to there, with a warning finding that says so
-    (``logs.gzip-truncated``, ``logs.gzip-corrupt``) and how many lines were read.
-
-    Raises :class:`.content.NotText` (an ``OSError``) when the first bytes are no text log: a checkpoint, a pickle,
-    an archive, random bytes (:func:`.content.not_text` says which); nothing is analysed then."""
+    (``logs.gzip-truncated``, ``logs.gzip-corrupt``) and how many lines were read. Whatever the bytes, it never raises
+    for them: whether they are a text log at all is :func:`open_stream`'s question."""
     import gzip
 
-    from .content import SNIFF, NotText, not_text
-
     a = Analyzer(wraps=wraps)
-    head: bytes | None = b""  # the first bytes, held until it is known whether they are text (None: decided)
     while True:
         try:
             chunk = stream.read(chunk_size)
@@ -148,14 +143,6 @@ def analyze_stream(stream: BinaryIO, chunk_size: int = CHUNK_BYTES, *, wraps: bo
         except (gzip.BadGzipFile, zlib.error) as e:
             a.input_damaged("corrupt", f"the gzip data is damaged: {e}")
             break
-        if head is not None and isinstance(chunk, (bytes, bytearray)):
-            head += chunk
-            if chunk and len(head) < SNIFF:
-                continue
-            why = not_text(head[:SNIFF], gzipped=_gunzip_of(stream) is not None)
-            if why is not None:
-                raise NotText(why)
-            chunk, head = head, None
         if not chunk:
             gz = _gunzip_of(stream)
             if gz is not None and gz.problem is not None:
@@ -172,8 +159,11 @@ def analyze_stream(stream: BinaryIO, chunk_size: int = CHUNK_BYTES, *, wraps: bo
 
 
 def _gunzip_of(stream: Any) -> Gunzip | None:
-    gz = stream if isinstance(stream, Gunzip) else getattr(stream, "raw", None)  # open_log's buffer
-    return gz if isinstance(gz, Gunzip) else None
+    for _ in range(3):  # open_log's buffer, open_stream's head before it
+        if isinstance(stream, Gunzip):
+            return stream
+        stream = getattr(stream, "raw", None)
+    return None
 
 
 def analyze_lines(lines: Iterable[str]) -> LogReport:
@@ -304,6 +294,7 @@ class _Prepended(io.RawIOBase):
     def __init__(self, head: bytes, stream: BinaryIO) -> None:
         super().__init__()
         self._head, self._stream = head, stream
+        self.raw = stream  # a Gunzip under it still reports where its data ended (analyze_stream)
 
     def readable(self) -> bool:
         return True
@@ -322,16 +313,31 @@ class _Prepended(io.RawIOBase):
 
 
 def open_stream(stream: BinaryIO) -> BinaryIO:
-    """A binary stream (``sys.stdin.buffer``, a pipe) for :func:`analyze_stream`, gunzipped when it starts with the
-    gzip magic (``gzip -c train.log | torchdoctor logs -``). Sniffs by reading the first two bytes, so it works on
+    """A binary stream (``sys.stdin.buffer``, a pipe, a file) for :func:`analyze_stream`, gunzipped when it starts
+    with the gzip magic (``gzip -c train.log | torchdoctor logs -``). Sniffs by reading the first bytes, so it works on
     pipes (which cannot seek back); nothing is lost. A damaged or cut gzip stream gives what it holds
-    (:class:`Gunzip`)."""
+    (:class:`Gunzip`).
+
+    Raises :class:`.content.NotText` (an ``OSError``) when the first bytes (after gzip) are no text log: a
+    checkpoint, a pickle, safetensors, an archive, random bytes (:func:`.content.not_text` says which)."""
     head = stream.read(2) or b""
     if isinstance(head, str):  # a text stream: no gzip to find there
         return stream
     if len(head) == 1:  # a short read (a raw pipe): one more try for the second byte
         head += stream.read(1) or b""
-    rest = _Prepended(bytes(head), stream)
-    if head == GZIP_MAGIC:
-        return Gunzip(rest)  # type: ignore[return-value]
-    return rest  # type: ignore[return-value]
+    rest: Any = _Prepended(bytes(head), stream)
+    gz = head == GZIP_MAGIC
+    if gz:
+        rest = Gunzip(rest)
+    from .content import SNIFF, NotText, not_text
+
+    sniff = b""
+    while len(sniff) < SNIFF:  # what the analyzer holds back anyway before its first line (the wrap sample)
+        piece = rest.read(SNIFF - len(sniff))
+        if not piece:
+            break
+        sniff += piece
+    why = not_text(sniff, gzipped=gz)
+    if why is not None:
+        raise NotText(why)
+    return _Prepended(sniff, rest)  # type: ignore[return-value]

@@ -12,7 +12,8 @@ gzip, when the file was gzip: a ``.tar.gz`` of checkpoints is not a gzip log) an
   them first), ELF executables and shared libraries, and images;
 - else by what is in them: text has no control characters but tab, newline, carriage return, form feed, backspace
   and escape (colours); random bytes have about 1 in 10. More than 1 in 100 of the sniffed bytes (runs of NUL
-  bytes left out: a log a crash left with a hole of zeros is still a log) is binary.
+  bytes left out: a log a crash left with a hole of zeros is still a log, and one that starts with only zeros is
+  read on) is binary.
 
 UTF-16 text (PowerShell's ``>``) is text: the reader decodes it (:func:`..reading.decoder_for`).
 """
@@ -87,15 +88,12 @@ def not_text(head: bytes, *, gzipped: bool = False) -> str | None:
     if what is None:
         if head.startswith((b"\xff\xfe", b"\xfe\xff")) or _utf16(head):
             return None
-        body = _NUL_RUN.sub(b"", head)
-        if not body:
-            what = "only NUL bytes (a file whose data was never written: a crash before the log was flushed)"
-        else:
-            bad = len(body) - len(body.translate(_DROP, _CONTROL))
-            if bad <= max(2, BINARY_SHARE * len(body)):
-                return None
-            what = (f"binary data ({bad} control bytes in its first {len(head):,}; a text log has none but tab, "
-                    "newline and colour codes)")
+        body = _NUL_RUN.sub(b"", head)  # a hole of zeros (a crash before the file's blocks were written) says nothing
+        bad = len(body) - len(body.translate(_DROP, _CONTROL))
+        if bad <= max(2, BINARY_SHARE * len(body)):
+            return None
+        what = (f"binary data ({bad} control bytes in its first {len(head):,}; a text log has none but tab, "
+                "newline and colour codes)")
     inside = "gzip-compressed, and what it holds is " if gzipped else ""
     tail = f"; {todo}" if todo else "; pass the log the run printed (its stdout/stderr, a .log or .txt file)"
     return f"not a text log: {inside}{what}{tail}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..advice import fp16_collapse_fix
 from ..findings import Finding
+from .cascade import headline
 from .common import fmt_scale, step_words
 from .judge_crash import CrashJudge
 from .judge_cuda import CudaJudge
@@ -40,6 +41,7 @@ class Judges(ProcessJudge, CrashJudge, CudaJudge, OomJudge):
                    self._judge_cuda, self._judge_process, self._judge_config):
             out.extend(fn())
         out.extend(self._judge_exception(out))
+        out = headline(out)
         if self._internal_errors:
             out.append(Finding("logs.analyzer-error", "info",
                                f"{self._internal_errors} line(s) could not be analysed (skipped)",

@@ -218,11 +218,13 @@ DEVICE_ASSERTS: tuple[tuple[re.Pattern[str], str, str], ...] = (
      "BCELoss (also the form autocast keeps stable), and check the predictions for nan before the loss"),
     (re.compile(r"t >= 0 && t < n_classes|cur_target >= 0 && cur_target < (?:n_classes|dim)"),
      "a class label is negative or >= the number of classes (cross_entropy / nll_loss)",
-     "a label outside [0, num_classes): check labels.min() and labels.max() against the model's output size; "
+     "the assert is cross_entropy's `t >= 0 && t < n_classes`: a label outside [0, num_classes): check "
+     "labels.min() and labels.max() against the model's output size; "
      "a padding label of -1 needs ignore_index=-1 (the default ignore_index is -100); labels counted from 1 need -1"),
     (re.compile(r"srcIndex < srcSelectDimSize"),
      "an index >= the size of the table it selects from (embedding / index_select)",
-     "an index >= the table's size: a token id >= the embedding's num_embeddings (a tokenizer with added tokens "
+     "the assert is an indexing kernel's (embedding / index_select): an index >= the table's size, a token id >= "
+     "the embedding's num_embeddings (a tokenizer with added tokens "
      "needs model.resize_token_embeddings(len(tokenizer))), or an index_select past the dimension"),
     (re.compile(r"index out of bounds"),
      "an index out of bounds in an indexing, gather or scatter kernel",
