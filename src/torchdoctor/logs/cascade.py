@@ -33,6 +33,19 @@ CAUSED_BY: dict[str, tuple[str, ...]] = {
 }
 
 
+#: an exception that is itself a communication failure (a C++ DistBackendError carrying the watchdog's timeout, a
+#: store error): never the root of a communication cascade
+_COMM_EXCEPTION = re.compile(r"DistBackendError|DistNetworkError|DistStoreError|NCCL|[Ww]atchdog|ProcessGroup|gloo|c10d"
+                             r"|collective")
+
+
+def _can_cause(f: Finding, cons_prefix: str) -> bool:
+    if cons_prefix == "comm." and f.id.startswith("process.exception"):
+        exc = f.data.get("exception") or {}
+        return not _COMM_EXCEPTION.search(f"{exc.get('type', '')}: {exc.get('msg', '')} {f.title}")
+    return True
+
+
 def first_line(f: Finding) -> int | None:
     lines = [int(m.group(1)) for e in f.evidence for m in _LINE.finditer(e)]
     return min(lines) if lines else None
@@ -44,7 +57,8 @@ def headline(findings: list[Finding]) -> list[Finding]:
     fails = [(n, f) for n, f in fails if n is not None]
     out = list(findings)
     for cons_prefix, causes in CAUSED_BY.items():
-        roots = [(n, f) for n, f in fails if f.id.startswith(causes) and not f.id.startswith(cons_prefix)]
+        roots = [(n, f) for n, f in fails
+                 if f.id.startswith(causes) and not f.id.startswith(cons_prefix) and _can_cause(f, cons_prefix)]
         if not roots:
             continue
         n0, root = min(roots, key=lambda t: t[0])

@@ -33,6 +33,8 @@ Sources (format strings read at the commits named; "copies": the same text in tr
 - ultralytics ``ultralytics/engine/trainer.py`` (@00016300105e): "{Loss NaN/Inf|Fitness NaN/Inf} detected ...",
   "Training failed: NaN persisted for {n} epochs".
 - huggingface/transformers@0c2a63e77d72 ``debug_utils.py``: "Detected inf/nan during batch_number={n}".
+- keras-team/keras 3.x ``keras/src/callbacks/terminate_on_nan.py`` (``TerminateOnNaN``, whatever the backend, torch
+  included; tf.keras 2.x the same): "Batch {batch}: Invalid loss, terminating training".
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ MESSAGES: tuple[NonfiniteMessage, ...] = (
     NonfiniteMessage("ultralytics", "NaN/Inf detected", re.compile(r"(?:Loss|Fitness) NaN/Inf detected"), "loss",
                      False),
     NonfiniteMessage("ultralytics", "NaN persisted for", re.compile(r"NaN persisted for \d+ epochs"), "loss", True),
+    NonfiniteMessage("Keras TerminateOnNaN", "Invalid loss, terminating", re.compile(
+        r"Batch (?P<step>\d+): Invalid loss, terminating training"), "loss", True),
     NonfiniteMessage("transformers DebugUnderflowOverflow", "Detected inf/nan during batch_number", re.compile(
         r"Detected inf/nan during batch_number=(?P<step>\d+)"), "grad", True),
 )
@@ -94,7 +98,7 @@ MESSAGES: tuple[NonfiniteMessage, ...] = (
 #: literals for the scanner's prefilter (upper-case first letters are cheap there); NEEDLES for the rest
 ANCHORS = ("Loss is", "Loss became", "WARNING: non-finite", "NaN!", "Detected nan", "Detected inf", "NaN detected",
            "Inf detected", "Unexpected result", "The total norm", "Non-finite norm", "Function '", "The loss returned",
-           "Monitored metric", "Loss or gradient", "NaN/Inf detected", "NaN persisted")
+           "Monitored metric", "Loss or gradient", "NaN/Inf detected", "NaN persisted", "Invalid loss")
 #: (no needles: the lower-case sentences come on an exception or error line -- the analyzer's "rror" needle -- or
 #: after "Loss is" / "WARNING: non-finite")
 NEEDLES: tuple[str, ...] = ()

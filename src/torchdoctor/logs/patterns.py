@@ -83,11 +83,16 @@ _NONFINITE = r"(?:tensor\()?[-+]?(?i:nan|inf(?:inity)?)(?:\.0+(?!\d))?(?!\w|\.\w
 #: ``train_loss = -inf`` / ``Loss nan`` / ``| loss   | nan |`` (a table) / ``[Loss] nan`` / ``Loss is Infinity``.
 _LOSS_SEP = r"""(?:['"\]]?[ \t]*[:=|][ \t]*['"]?|['"\]]?[ \t]+(?:is[ \t]+)?)"""
 #: (anchored on "oss").
-LOSS_SCAN_RE = re.compile(r"oss" + _LOSS_SEP + _NONFINITE)
+#: A loss's name may go on as a path: composer's console logger prints ``Train loss/train/total: nan``
+#: (mosaicml/composer ``composer/loggers/console_logger.py``: ``{prefix}{name}: {value}``), TensorBoard-style
+#: names ``loss/total``.
+_LOSS_PATH = r"(?:/[\w.-]+)*"
+LOSS_SCAN_RE = re.compile(r"oss" + _LOSS_PATH + _LOSS_SEP + _NONFINITE)
 NORM_SCAN_RE = re.compile(r"""_norm['"]?[ \t]*[:=][ \t]*['"]?""" + _NONFINITE)
 #: A finite loss value (checked only after a non-finite one, to tell whether training recovered; a 0 is not one).
 FINITE_LOSS_RE = re.compile(
-    r"(?P<key>\w*[lL]oss)" + _LOSS_SEP + r"(?:tensor\()?(?P<v>[-+]?(?:\d|\.\d)[\d.]*(?:[eE][-+]?\d+)?)")
+    r"(?P<key>\w*[lL]oss" + _LOSS_PATH + ")" + _LOSS_SEP
+    + r"(?:tensor\()?(?P<v>[-+]?(?:\d|\.\d)[\d.]*(?:[eE][-+]?\d+)?)")
 #: Plain substrings searched with str.find (their first characters are too common for SCAN_RE): each is a pass over
 #: the text (~0.3 ms per MB), so they are few and wide. "_scale" finds DeepSpeed's config print (min_loss_scale,
 #: 'min_scale', initial_scale_power, 'init_scale') and its update_scale traceback frame; zsh's "segmentation fault";
@@ -160,7 +165,7 @@ GLOBAL_STEP_RE = re.compile(r"Global Step:[ \t]*(\d+)")
 PRINTED_SCALE_RE = re.compile(rf"\bloss_scale['\"]?[ \t]*[:=][ \t]*(?P<scale>{NUM})")
 
 # non-finite loss / grad norm (full check on the candidate line; the key of each rule is below)
-LOSS_RE = re.compile(r"(?P<key>\w*[lL]oss)" + _LOSS_SEP + "(?P<val>" + _NONFINITE + ")")
+LOSS_RE = re.compile(r"(?P<key>\w*[lL]oss" + _LOSS_PATH + ")" + _LOSS_SEP + "(?P<val>" + _NONFINITE + ")")
 NORM_RE = re.compile(r"""(?P<key>\w*_norm)['"]?[ \t]*[:=][ \t]*['"]?(?P<val>""" + _NONFINITE + ")")
 STEP_KEY_RE = re.compile(r"""['"](?:global_)?step['"]:[ \t]*(\d+)""")
 #: The Trainer's ``'loss': 0.0`` (4.x) / ``'loss': '0'`` (5.x): with ``'grad_norm': nan`` the loss was NaN on every
