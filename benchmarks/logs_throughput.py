@@ -156,7 +156,7 @@ def generate_one_line(path: str, size: int, seed: int = 0) -> int:
 
 
 def time_run(path: str) -> float:
-    from torchdoctor.logs.wrap import run_command
+    from torchdoctor.run.supervisor import run_command
 
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:

@@ -13,7 +13,7 @@ a launch-bound GPU step) in a fresh process per variant:
 * ``bare``: nothing attached;
 * ``library``: ``NumericsMonitor(model, optimizer=opt)`` (the default level, ``grads="params"``) in the script;
 * ``switch``: the bare script, started with the environment ``torchdoctor run --numerics`` gives its command
-  (:func:`torchdoctor.autoattach.child_environment`): the bootstrap attaches the same monitor, same level, at the
+  (:func:`torchdoctor.run.inside.child_environment`): the bootstrap attaches the same monitor, same level, at the
   first ``optimizer.step()``.
 
 Each process warms up, then times ``--steps`` steps (thread CPU time, and wall time); the parent runs
@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from torchdoctor.autoattach import child_environment  # noqa: E402
+from torchdoctor.run.inside import child_environment  # noqa: E402
 
 SCRIPT = r'''
 import json, sys, time

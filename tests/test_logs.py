@@ -669,7 +669,7 @@ def test_loss_scale_at_the_minimum_to_the_end_or_deepspeeds_exception_stays_a_fa
 
 def _blocks(data: bytes, cuts: list[int]) -> list[tuple[bytes, bool]]:
     """data cut like torchdoctor run cuts a pipe: whole lines per read, overlong lines in pieces."""
-    from torchdoctor.logs.wrap_pump import _Lines
+    from torchdoctor.run.pump import _Lines
 
     lines, out, at = _Lines(), [], 0
     for c in [*cuts, len(data)]:

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from torchdoctor.logs import logs_run, wrap
+from torchdoctor.logs import logs_run
 from torchdoctor.logs.analyze import analyze_lines, analyze_stream, open_log
-from torchdoctor.logs.wrap_findings import _memory_low
+from torchdoctor.run import supervisor
+from torchdoctor.run.exit_findings import _memory_low
 
 FIX = Path(__file__).parent / "fixtures" / "logs"
 PY = sys.executable
@@ -183,7 +184,7 @@ def test_the_shells_core_dumped_line_is_a_crash(tmp_path):
 
 @pytest.mark.machine
 def test_run_names_a_segfault(capfd):
-    r = wrap.run_command([PY, "-c", "import ctypes; ctypes.string_at(0)"], interval=0.05)
+    r = supervisor.run_command([PY, "-c", "import ctypes; ctypes.string_at(0)"], interval=0.05)
     capfd.readouterr()
     f = r.findings[0]
     assert r.exit_code == 139 and f.id == "process.exit" and f.severity == "fail"
@@ -194,7 +195,7 @@ def test_run_names_a_segfault(capfd):
 @pytest.mark.machine
 def test_run_a_failing_script_is_a_failure_and_a_handled_traceback_is_not(tmp_path, capfd):
     script = _script(tmp_path, RAISES)
-    r = wrap.run_command([PY, str(script)], interval=0.05)
+    r = supervisor.run_command([PY, str(script)], interval=0.05)
     capfd.readouterr()
     ids = {f.id: f for f in r.findings}
     assert r.exit_code == 1 and ids["process.exception"].severity == "fail"
@@ -207,7 +208,7 @@ def test_run_a_failing_script_is_a_failure_and_a_handled_traceback_is_not(tmp_pa
             traceback.print_exc()
         print("done")
     """)
-    r = wrap.run_command([PY, str(handled)], interval=0.05)
+    r = supervisor.run_command([PY, str(handled)], interval=0.05)
     capfd.readouterr()
     ids = {f.id: f for f in r.findings}
     assert r.exit_code == 0 and ids["process.exception"].severity == "info" and "exited 0" in ids[
@@ -218,7 +219,7 @@ def test_run_a_failing_script_is_a_failure_and_a_handled_traceback_is_not(tmp_pa
 def test_run_a_nonzero_exit_with_no_known_cause_quotes_the_last_error_lines(capfd):
     code = ("import sys; print('epoch 1 done'); print('ERROR: quota exceeded writing /ckpt/step_100', "
             "file=sys.stderr); sys.exit(3)")
-    r = wrap.run_command([PY, "-c", code], interval=0.05)
+    r = supervisor.run_command([PY, "-c", code], interval=0.05)
     capfd.readouterr()
     f = r.findings[0]
     assert r.exit_code == 3 and f.severity == "warn" and "no known failure signature" in f.title
@@ -244,7 +245,7 @@ def test_run_around_torchrun_does_not_blame_a_sigkill_with_plenty_of_memory_on_t
     if not torchrun.exists():
         pytest.skip("no torchrun next to the interpreter")
     script = _script(tmp_path, WORKER_KILLS_ITSELF)
-    r = wrap.run_command([str(torchrun), "--nproc_per_node", "2", str(script)], interval=0.1)
+    r = supervisor.run_command([str(torchrun), "--nproc_per_node", "2", str(script)], interval=0.1)
     capfd.readouterr()
     k = next(f for f in r.findings if f.id == "process.killed")
     assert k.severity == "fail" and k.title.startswith("rank 1 (pid ")  # torchrun's "localhost" is this machine
@@ -277,11 +278,11 @@ def test_the_hidden_kernel_log_and_cgroup_are_what_run_reports(monkeypatch):
     from torchdoctor import _system
 
     monkeypatch.setenv("TORCHDOCTOR_UNREADABLE", "kernel-log,cgroup")
-    k = wrap.read_kernel_oom({os.getpid()})
+    k = supervisor.read_kernel_oom({os.getpid()})
     assert not k.readable and "TORCHDOCTOR_UNREADABLE=kernel-log" in k.source
-    assert _system.cgroup_memory() == (None, None) and wrap.memcg_limit("/") is None
+    assert _system.cgroup_memory() == (None, None) and supervisor.memcg_limit("/") is None
     monkeypatch.setenv("TORCHDOCTOR_UNREADABLE", "cgroup")
-    assert "TORCHDOCTOR_UNREADABLE" not in wrap.read_kernel_oom({os.getpid()}).source
+    assert "TORCHDOCTOR_UNREADABLE" not in supervisor.read_kernel_oom({os.getpid()}).source
 
 
 # ------------------------------------------------------------------------------------------------ CUDA errors

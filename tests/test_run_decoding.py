@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from torchdoctor.logs import wrap
 from torchdoctor.logs.analyze import analyze_stream
-from torchdoctor.logs.wrap_pump import StreamText, decode_lines
+from torchdoctor.run import supervisor
+from torchdoctor.run.pump import StreamText, decode_lines
 
 pytestmark = pytest.mark.machine  # real runs read this machine's memory, cgroup and kernel log
 
@@ -57,7 +57,7 @@ def _run(tmp_path: Path, data: bytes, *, fd: int = 1, cuts: tuple[int, ...] = ()
     err_fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         with open(log, "ab", buffering=0) as log_file:
-            r = wrap.run_command([PY, "-c", WRITER, str(src), str(fd), *map(str, cuts)], log_file=log_file,
+            r = supervisor.run_command([PY, "-c", WRITER, str(src), str(fd), *map(str, cuts)], log_file=log_file,
                                  interval=0.05, out_fd=out_fd, err_fd=err_fd)
     finally:
         os.close(out_fd)
@@ -117,7 +117,7 @@ def test_each_stream_is_sniffed_on_its_own(tmp_path):
              "raise RuntimeError('CUDA error: an illegal memory access was encountered')\n")
     out_r, out_w = os.pipe()
     log = io.BytesIO()
-    r = wrap.run_command([PY, "-c", child], log_file=log, interval=0.05, out_fd=out_w,
+    r = supervisor.run_command([PY, "-c", child], log_file=log, interval=0.05, out_fd=out_w,
                          err_fd=os.open(os.devnull, os.O_WRONLY))
     os.close(out_w)
     with os.fdopen(out_r, "rb") as f:
@@ -132,7 +132,7 @@ def test_run_on_a_utf16_log_finds_what_logs_finds(tmp_path):
     data = (FIX / "hf_trainer_nan.log").read_text(encoding="utf-8").encode("utf-16")
     log = tmp_path / "train.log"
     log.write_bytes(data)
-    r = wrap.run_command(["cat", str(log)], interval=0.05, out_fd=os.open(os.devnull, os.O_WRONLY))
+    r = supervisor.run_command(["cat", str(log)], interval=0.05, out_fd=os.open(os.devnull, os.O_WRONLY))
     want = analyze_stream(io.BytesIO(data))
     assert [f.id for f in want.findings if f.severity == "fail"]  # the fixture has a verdict to compare
     got = [(f.id, f.severity, f.title) for f in r.findings if f.id != "process.exit"]

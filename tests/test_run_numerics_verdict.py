@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from runs import PY, ids, the, torchdoctor_run
-from torchdoctor.logs.wrap_numerics import OutputScan, nonfinite_finding, read_reports
+from torchdoctor.run.numerics_verdict import OutputScan, nonfinite_finding, read_reports
 
 pytestmark = pytest.mark.machine  # real runs
 

@@ -20,8 +20,8 @@ from torch import nn
 
 from conftest import free_port
 from runs import PY, SRC, ids, the, torchdoctor_run
-from torchdoctor.autoattach import BOOT_DIR, OPTIONS_VAR
-from torchdoctor.autoattach.plain import pick_model
+from torchdoctor.run.inside import BOOT_DIR, OPTIONS_VAR
+from torchdoctor.run.inside.plain import pick_model
 
 WORKER = str(Path(__file__).with_name("switch_worker.py"))
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -200,7 +200,7 @@ def test_the_bootstrap_off_imports_nothing_and_runs_the_sitecustomize_it_hides(t
     opts = json.dumps({"report_dir": str(tmp_path / "reports"), "path": str(Path(SRC)), "markers": True})
     on = _python(tmp_path, code, PYTHONPATH=path, **{OPTIONS_VAR: opts})
     assert on.returncode == 0, on.stderr
-    assert "'torchdoctor.autoattach.startup'" in on.stdout and "'torch'" not in on.stdout  # hooks only
+    assert "'torchdoctor.run.inside.startup'" in on.stdout and "'torch'" not in on.stdout  # hooks only
     assert on.stdout.rstrip().endswith("1")
     [loaded] = list((tmp_path / "reports").glob("torchdoctor-loaded-*.json"))
     assert json.loads(loaded.read_text())["pid"] > 0

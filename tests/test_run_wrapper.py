@@ -1,6 +1,6 @@
 """``torchdoctor run``: real child processes, real /proc sampling, real signals.
 
-Most tests drive ``wrap_run.run(args)`` in this process and read fd 1/2 with ``capfdbinary`` (the command's
+Most tests drive ``command.run(args)`` in this process and read fd 1/2 with ``capfdbinary`` (the command's
 bytes go to the file descriptors, torchdoctor's text to ``sys.stderr``); the signal tests start the wrapper
 as its own process so a signal can be sent to it.
 """
@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from torchdoctor.logs import wrap, wrap_process, wrap_run
+from torchdoctor.run import command, process, supervisor
 
 pytestmark = pytest.mark.machine  # real runs read this machine's memory, cgroup and kernel log
 
 PY = sys.executable
 MIB = 1 << 20
-WRAPPER = [PY, "-c", "import sys; from torchdoctor.logs.wrap_run import main; sys.exit(main())"]
+WRAPPER = [PY, "-c", "import sys; from torchdoctor.run.command import main; sys.exit(main())"]
 FIX = Path(__file__).parent / "fixtures" / "logs"
 
 
@@ -41,8 +41,8 @@ def memory_word() -> str:
 
 def run_wrapper(capfdbinary, *argv: str) -> tuple[int, bytes, str]:
     parser = argparse.ArgumentParser()
-    wrap_run.add_arguments(parser)
-    rc = wrap_run.run(parser.parse_args(list(argv)))
+    command.add_arguments(parser)
+    rc = command.run(parser.parse_args(list(argv)))
     cap = capfdbinary.readouterr()
     return rc, cap.out, cap.err.decode("utf-8", "replace")
 
@@ -231,50 +231,51 @@ def test_real_oom_kill_in_a_memory_cgroup_is_named(capfdbinary, tmp_path):
 # -------------------------------------------------------------------------------- findings, no I/O
 
 
-def _result(**kw) -> wrap.RunResult:
+def _result(**kw) -> supervisor.RunResult:
     base = dict(argv=["deepspeed", "train.py"], pid=4242, exit_code=137, signal=9, duration_s=12.34,
                 peak_rss=int(21.4 * (1 << 30)), peak_rss_t=12.0, peak_rss_procs=9, child_maxrss=0,
                 mem_total=int(23.5 * (1 << 30)), min_available=200 * MIB, min_available_t=12.1, cgroup_limit=None,
                 cgroup_oom_kills=None, pids_seen={4242, 4250}, forwarded=[], killed_by_us=False, interval=0.5,
                 samples=[], log_findings=[], timeline=[])
     base.update(kw)
-    return wrap.RunResult(**base)
+    return supervisor.RunResult(**base)
 
 
 def test_a_cgroup_limit_that_cannot_be_read_leaves_never_low_unknown():
     """Plenty of MemAvailable says nothing when the process's cgroup limit could not be read: a container's limit
     may be far below the machine's RAM. With no kernel log either, nothing tells the senders apart."""
-    unread = wrap.KernelLog(False, "kernel log not readable (dmesg -T, /dev/kmsg and journalctl -k ...)")
+    unread = supervisor.KernelLog(False, "kernel log not readable (dmesg -T, /dev/kmsg and journalctl -k ...)")
     plenty = dict(peak_rss=390 * MIB, min_available=22 * (1 << 30), kernel=unread)
-    f = wrap.exit_finding(_result(**plenty, cgroup_readable=False))
+    f = supervisor.exit_finding(_result(**plenty, cgroup_readable=False))
     assert "nothing here tells them apart" in f.title and "likelier" not in f.title, f.title
     assert any("its memory cgroup's limit could not be read" in e for e in f.evidence), f.evidence
     assert any("torchdoctor ds memory" in x for x in f.fix)  # memory stays a suspect
-    f = wrap.exit_finding(_result(**plenty))  # the same samples where the limit was read (no limit): not low
+    f = supervisor.exit_finding(_result(**plenty))  # the same samples where the limit was read (no limit): not low
     assert "memory never ran low in the samples" in f.title, f.title
 
 
 def test_a_kill_the_kernel_log_rules_out_gets_no_memory_cures():
-    read = wrap.KernelLog(True, "dmesg -T")
-    f = wrap.exit_finding(_result(peak_rss=2 * MIB, min_available=22 * (1 << 30), kernel=read))
+    read = supervisor.KernelLog(True, "dmesg -T")
+    f = supervisor.exit_finding(_result(peak_rss=2 * MIB, min_available=22 * (1 << 30), kernel=read))
     assert "no OOM-killer entry in the kernel log" in f.title
     assert len(f.fix) == 1 and "scancel" in f.fix[0] and "PREEMPTED" in f.fix[0], f.fix
-    memcg = wrap.KernelLog(True, "dmesg -T", ["Memory cgroup out of memory: Killed process 4242 (python)"],
+    memcg = supervisor.KernelLog(True, "dmesg -T", ["Memory cgroup out of memory: Killed process 4242 (python)"],
                            memcg="/job_7", memcg_limit=None)  # the kernel names the cgroup; its limit unreadable
-    f = wrap.exit_finding(_result(kernel=memcg))
+    f = supervisor.exit_finding(_result(kernel=memcg))
     assert f.title.startswith("killed by the kernel's OOM killer") and "(its cgroup's limit could not be read)" in \
         f.title and "GiB RAM" not in f.title, f.title
 
 
 def test_sigkill_title_when_the_kernel_log_is_not_readable():
-    r = _result(kernel=wrap.KernelLog(False, "kernel log not readable (dmesg -T, /dev/kmsg and journalctl -k ...)"))
-    f = wrap.exit_finding(r)
+    r = _result(kernel=supervisor.KernelLog(False,
+                                            "kernel log not readable (dmesg -T, /dev/kmsg and journalctl -k ...)"))
+    f = supervisor.exit_finding(r)
     assert f.severity == "fail"
     # the samples saw memory run low (91% of RAM): evidence enough for "likely", not for "confirmed" (issue 11)
     assert f.title == ("killed by SIGKILL after 12.3 s: peak RSS 21.4 GiB of 23.5 GiB RAM (91%) -- memory ran low, "
                        "so likely the kernel's OOM killer (no kernel-log line for its processes confirms it)")
     assert any(e.startswith("kernel log not readable") for e in f.evidence)
-    assert wrap.memory_finding(r) is None  # process.exit already says it
+    assert supervisor.memory_finding(r) is None  # process.exit already says it
 
 
 def test_global_oom_line_is_matched_to_our_pids():
@@ -285,20 +286,20 @@ def test_global_oom_line_is_matched_to_our_pids():
         "anon-rss:20000000kB\n"
         "[Sun Nov 29 10:00:01 2026] Out of memory: Killed process 999 (other) total-vm:1kB\n"
     )
-    lines, memcg = wrap.parse_oom_lines(log, {4242, 4250})
+    lines, memcg = supervisor.parse_oom_lines(log, {4242, 4250})
     assert len(lines) == 2 and all("4250" in ln for ln in lines) and memcg is None
-    r = _result(exit_code=1, signal=None, kernel=wrap.KernelLog(True, "dmesg -T", lines))
-    f = wrap.exit_finding(r)  # torchrun exits 1 when a worker was OOM-killed
+    r = _result(exit_code=1, signal=None, kernel=supervisor.KernelLog(True, "dmesg -T", lines))
+    f = supervisor.exit_finding(r)  # torchrun exits 1 when a worker was OOM-killed
     assert f.severity == "fail" and "OOM killer killed a process of it" in f.title
     assert any("Killed process 4250" in e for e in f.evidence)
 
 
 def test_low_memavailable_is_a_warning_even_when_the_command_succeeds():
     r = _result(exit_code=0, signal=None)
-    assert wrap.exit_finding(r).severity == "ok"
-    m = wrap.memory_finding(r)
+    assert supervisor.exit_finding(r).severity == "ok"
+    m = supervisor.memory_finding(r)
     assert m is not None and m.severity == "warn" and "MemAvailable fell to 200 MiB of 23.5 GiB" in m.title
-    assert wrap.memory_finding(_result(exit_code=0, signal=None, min_available=10 << 30)) is None
+    assert supervisor.memory_finding(_result(exit_code=0, signal=None, min_available=10 << 30)) is None
 
 
 # ------------------------------------------------------------------------------------ log findings
@@ -370,7 +371,7 @@ def test_json_given_a_program_name_is_refused(capfdbinary):
 
 def test_bad_interval_is_an_argparse_error():
     parser = argparse.ArgumentParser()
-    wrap_run.add_arguments(parser)
+    command.add_arguments(parser)
     with pytest.raises(SystemExit) as e:
         parser.parse_args(["--interval", "0", "--", "true"])
     assert e.value.code == 2
@@ -439,7 +440,7 @@ def test_ctrl_c_reaches_the_command_and_the_exit_code_says_sigint():
 
 def test_a_big_parent_does_not_inflate_a_small_childs_peak():
     """A forked child's ru_maxrss starts at the parent's high-water RSS: a `print` child must not inherit it."""
-    from torchdoctor.logs.wrap import run_command
+    from torchdoctor.run.supervisor import run_command
 
     big = bytearray(400 << 20)
     for i in range(0, len(big), 4096):
@@ -466,20 +467,20 @@ sys.exit(int(sys.argv[1]))
 def _fake_kernel(monkeypatch, oom_for_logged_pid: bool) -> list[set[int]]:
     calls: list[set[int]] = []
 
-    def fake(pids: set[int], since: float | None = None) -> wrap.KernelLog:
+    def fake(pids: set[int], since: float | None = None) -> supervisor.KernelLog:
         calls.append(set(pids))
         lines = [f"Out of memory: Killed process {p} (python) total-vm:1kB" for p in pids if p not in seen[0]]
-        return wrap.KernelLog(True, "dmesg -T", lines if oom_for_logged_pid else [])
+        return supervisor.KernelLog(True, "dmesg -T", lines if oom_for_logged_pid else [])
 
     seen: list[set[int]] = [set()]
-    orig = wrap_process.Memory.sample
+    orig = process.Memory.sample
 
     def sample(self, now):  # remember what the sampler saw: the worker's pid comes only from the log
         orig(self, now)
         seen[0] = set(self.pids_seen)
 
-    monkeypatch.setattr(wrap, "read_kernel_oom", fake)
-    monkeypatch.setattr(wrap_process.Memory, "sample", sample)
+    monkeypatch.setattr(supervisor, "read_kernel_oom", fake)
+    monkeypatch.setattr(process.Memory, "sample", sample)
     return calls
 
 
@@ -566,7 +567,7 @@ def test_a_reader_that_goes_away_ends_the_command_like_a_pipe_does():
 
 def test_nothing_measured_is_said_so_and_an_empty_output_is_worded_for_a_command(capfdbinary):
     r = _result(exit_code=0, signal=None, peak_rss=0, peak_rss_t=None, child_maxrss=0)
-    f = wrap.exit_finding(r)
+    f = supervisor.exit_finding(r)
     assert "peak RSS not measured" in f.title and "0 MiB" not in f.title
     assert any(e.startswith("peak RSS: not measured") for e in f.evidence)
     assert not any("ru_maxrss of the command; the samples" in e for e in f.evidence)
@@ -575,25 +576,26 @@ def test_nothing_measured_is_said_so_and_an_empty_output_is_worded_for_a_command
 
 
 def test_one_signal_name_helper():
-    from torchdoctor.logs import analyze, wrap_result
+    from torchdoctor.logs import analyze
+    from torchdoctor.run import result
 
-    assert not hasattr(wrap, "_signame") and not hasattr(analyze, "_signame")
-    assert wrap_result.signame is analyze.signal_name and analyze.signal_name(9) == "SIGKILL"
+    assert not hasattr(supervisor, "_signame") and not hasattr(analyze, "_signame")
+    assert result.signame is analyze.signal_name and analyze.signal_name(9) == "SIGKILL"
 
 
 def test_an_oom_kill_of_a_process_no_sample_saw_keeps_the_verdict_open(monkeypatch):
     log = ("[Sun Nov 29 10:00:00 2026] Out of memory: Killed process 100 (old) total-vm:1kB\n"
            "[Sun Nov 29 10:05:00 2026] Out of memory: Killed process 5012 (python) total-vm:30000000kB\n")
-    monkeypatch.setattr(wrap, "_run_quiet", lambda cmd, timeout: log if cmd[0] == "dmesg" else None)
+    monkeypatch.setattr(supervisor, "_run_quiet", lambda cmd, timeout: log if cmd[0] == "dmesg" else None)
     monkeypatch.delenv("TORCHDOCTOR_UNREADABLE", raising=False)  # this kernel log is the test's own
-    k = wrap.read_kernel_oom({5000, 5001})
+    k = supervisor.read_kernel_oom({5000, 5001})
     assert k.readable and k.oom_lines == [] and k.unseen_oom_lines == [log.splitlines()[1]]  # not the older pid 100
-    f = wrap.exit_finding(_result(pid=5000, pids_seen={5000, 5001}, kernel=k))
+    f = supervisor.exit_finding(_result(pid=5000, pids_seen={5000, 5001}, kernel=k))
     assert f.data["oom_killer"] is None and "so likely the kernel's OOM killer (no kernel-log line" in f.title
     assert any("newer processes it did not see" in e for e in f.evidence)
-    clean = wrap.read_kernel_oom({6000})
+    clean = supervisor.read_kernel_oom({6000})
     assert clean.unseen_oom_lines == []  # older than the command: not ours
-    assert wrap.exit_finding(_result(pid=6000, kernel=clean)).data["oom_killer"] is False
+    assert supervisor.exit_finding(_result(pid=6000, kernel=clean)).data["oom_killer"] is False
 
 
 needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
@@ -610,25 +612,26 @@ def test_kernel_log_lines_dated_before_the_command_are_not_about_it(monkeypatch)
     monkeypatch.delenv("TORCHDOCTOR_UNREADABLE", raising=False)  # this kernel log is the test's own
 
     def kernel(*lines):
-        monkeypatch.setattr(wrap, "_run_quiet", lambda cmd, timeout: "\n".join(lines) if cmd[0] == "dmesg" else None)
-        return wrap.read_kernel_oom({5000, 5001}, since=started)
+        monkeypatch.setattr(supervisor, "_run_quiet",
+                            lambda cmd, timeout: "\n".join(lines) if cmd[0] == "dmesg" else None)
+        return supervisor.read_kernel_oom({5000, 5001}, since=started)
 
     k = kernel(old_ours, old_other)
     assert k.readable and k.oom_lines == [] and k.unseen_oom_lines == []
-    assert wrap.exit_finding(_result(pid=5000, pids_seen={5000, 5001}, kernel=k)).data["oom_killer"] is False
+    assert supervisor.exit_finding(_result(pid=5000, pids_seen={5000, 5001}, kernel=k)).data["oom_killer"] is False
     k = kernel(old_ours, old_other, new_other)  # a process killed while it ran, whatever its pid: maybe its own
     assert k.oom_lines == [] and k.unseen_oom_lines == [new_other]
     k = kernel(old_ours.replace("03:32:50", "03:40:01"))
     assert k.oom_lines == [old_ours.replace("03:32:50", "03:40:01")]
-    assert wrap.read_kernel_oom({5000}).oom_lines  # undated use (no start time): the line counts, as before
+    assert supervisor.read_kernel_oom({5000}).oom_lines  # undated use (no start time): the line counts, as before
 
 
 def test_kernel_log_times_are_read_from_dmesg_and_kmsg_prefixes():
-    assert wrap.line_time("[Fri Dec  4 03:40:05 2026] x") == time.mktime(time.strptime("2026-12-04 03:40:05",
+    assert supervisor.line_time("[Fri Dec  4 03:40:05 2026] x") == time.mktime(time.strptime("2026-12-04 03:40:05",
                                                                                          "%Y-%m-%d %H:%M:%S"))
     boot = time.time() - time.monotonic()
-    assert abs(wrap.line_time("[   12.500000] Out of memory") - (boot + 12.5)) < 1.0
-    assert wrap.line_time("Dec 04 03:40:05 host kernel: Out of memory") is None  # journalctl's: not dated
+    assert abs(supervisor.line_time("[   12.500000] Out of memory") - (boot + 12.5)) < 1.0
+    assert supervisor.line_time("Dec 04 03:40:05 host kernel: Out of memory") is None  # journalctl's: not dated
 
 
 def test_a_full_disk_for_json_or_log_is_a_warning_after_the_run_never_a_false_written():

@@ -52,7 +52,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "before training: will the model overflow in fp16 (or bf16), where, the loss scale, the fp32 fix, verified",
     ),
     "run": (
-        "torchdoctor.logs.wrap_run",
+        "torchdoctor.run.command",
         "run a training command, pass its output through, and explain how it ended (SIGKILL: peak RAM, OOM)",
     ),
 }

@@ -3,7 +3,7 @@
 Two kinds of file, told apart by their first bytes, never by trust:
 
 * ``torchdoctor-flight-rank<r>.json``: what ``torchdoctor run``'s start-up hook wrote in a rank as it ended
-  (:mod:`torchdoctor.autoattach.flight`): the Flight Recorder dump as JSON, plus the rank, host, why it dumped and
+  (:mod:`torchdoctor.run.inside.flight`): the Flight Recorder dump as JSON, plus the rank, host, why it dumped and
   the Python stack it was at;
 * Flight Recorder's own pickles (``<prefix><rank>``, e.g. ``nccl_trace_rank_3``: NCCL's watchdog writes them on a
   timeout with ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``, ``torch.distributed`` writes them on request). A pickle can run

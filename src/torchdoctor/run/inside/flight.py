@@ -108,7 +108,7 @@ def _fr_dump() -> Any:
         raw = torch._C._distributed_c10d._dump_fr_trace(True, True, False)
     except Exception:  # (no Flight Recorder in this torch, or nothing recorded)
         return None
-    from ..comm.hang.dumps import plain_loads
+    from ...comm.hang.dumps import plain_loads
 
     return plain_loads(raw)
 

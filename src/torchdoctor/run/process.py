@@ -1,9 +1,9 @@
 """The child process of ``torchdoctor run`` while it runs: starting it, forwarding signals, its process tree and memory.
 
-Only something outside the command can see a SIGKILL that leaves no traceback, so :mod:`.wrap` starts the command
+Only something outside the command can see a SIGKILL that leaves no traceback, so :mod:`.supervisor` starts the command
 here as a child in its own process group and watches it:
 
-* :func:`spawn` starts it with its stdout and stderr as pipes (read by :mod:`.wrap_pump`), in its own group, with
+* :func:`spawn` starts it with its stdout and stderr as pipes (read by :mod:`.pump`), in its own group, with
   no terminal as stdin (a background group reading a terminal would be stopped by SIGTTIN: better no stdin than a
   hang);
 * :class:`Signals` forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to us to that whole group (so torchrun and
@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from .._system import GIB, read_meminfo
-from .analyze import signal_name as signame
+from ..logs.analyze import signal_name as signame
 
 _MAX_SAMPLES = 4000  # memory samples kept for --json; older ones are thinned, never the peaks
 _FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")

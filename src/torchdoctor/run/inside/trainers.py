@@ -56,12 +56,12 @@ def _add_callback(trainer: Any, attach: Attach, via: str) -> None:
     name = {"hf": "the HF Trainer", "lightning": "Lightning's Trainer"}[via]
     try:
         if via == "hf":
-            from ..integrations.hf import NumericsCallback
+            from ...integrations.hf import NumericsCallback
 
             callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
             start_hook = "on_train_begin"
         else:
-            from ..integrations.lightning import NumericsCallback
+            from ...integrations.lightning import NumericsCallback
 
             callbacks = trainer.callbacks
             start_hook = "on_fit_start"

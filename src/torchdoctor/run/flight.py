@@ -2,7 +2,7 @@
 
 Before the command starts (:func:`environment`): the recorder's buffer (``TORCH_FR_BUFFER_SIZE=2000`` entries per
 process group), NCCL's own dump on a watchdog timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT=1``) into the run's report folder
-(``TORCH_FR_DUMP_TEMP_FILE=<report dir>/nccl_trace_rank_``), and the start-up hook (:mod:`torchdoctor.autoattach.
+(``TORCH_FR_DUMP_TEMP_FILE=<report dir>/nccl_trace_rank_``), and the start-up hook (:mod:`torchdoctor.run.inside.
 flight`) that makes each rank of a distributed job write its dump and stack as it ends badly. A variable the user
 set is never overridden (their dump prefix is where the dumps are then read from); a job that never calls
 ``init_process_group`` is not touched. After the command (:func:`findings`): every dump found, read into the
@@ -24,7 +24,7 @@ _PREFIX_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
 def environment(report_dir: str, env: Mapping[str, str]) -> tuple[dict[str, str], str]:
     """(the variables to add to ``env`` for the command, the dump file prefix the job will write to)."""
-    from ..autoattach import BOOT_DIR, FLIGHT_VAR, package_parent
+    from .inside import BOOT_DIR, FLIGHT_VAR, package_parent
 
     add: dict[str, str] = {}
     if not any(env.get(v) for v in _BUFFER_VARS):

@@ -22,8 +22,8 @@ Under several ranks the rank whose own values went bad first leads (a rank that 
 gradient reduction comes after it).
 
 ``--numerics`` (or any of ``--grads``, ``--trace-steps``, ``--abort-after-step``) attaches that monitor with no
-code change in every Python process the command starts (:mod:`torchdoctor.autoattach`, switched on through the
-command's environment by :mod:`.wrap_switch`); the ``numerics.attached`` finding says what each process watched,
+code change in every Python process the command starts (:mod:`torchdoctor.run.inside`, switched on through the
+command's environment by :mod:`.switch`); the ``numerics.attached`` finding says what each process watched,
 ``numerics.not-attached`` (info) that nothing was.
 
 How the command runs: in its own process group (SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to torchdoctor are
@@ -92,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="leave PyTorch's Flight Recorder as it is: by default a distributed job runs with it on "
                              "and each rank writes its records as it ends badly, for the comm.hang finding (which "
                              "rank never entered which collective, and where each side was)")
-    from .wrap_switch import add_arguments as add_numerics_arguments
+    from .switch import add_arguments as add_numerics_arguments
 
     add_numerics_arguments(parser)
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD",
@@ -125,7 +125,7 @@ def _say(msg: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..findings import render_text, use_color
-    from .wrap import WrapError, cmdline, run_command
+    from .supervisor import WrapError, cmdline, run_command
 
     cmd = list(args.cmd or [])
     if cmd and cmd[0] == "--":
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
 
     report_dir = getattr(args, "report_dir", None)
     if report_dir is not None:
-        from .wrap_numerics import check_report_dir
+        from .numerics_verdict import check_report_dir
 
         why = check_report_dir(report_dir) if report_dir else "empty path"
         if why:
@@ -171,17 +171,17 @@ def run(args: argparse.Namespace) -> int:
             except OSError as e:
                 _say(f"cannot write --json {json_path}: {e.strerror or e}")
                 return EXIT_USAGE
-        from . import wrap_switch
+        from . import switch
 
-        numerics = wrap_switch.options(args, report_dir)
+        numerics = switch.options(args, report_dir)
         started = time.time()
         try:
-            env = wrap_switch.environment(numerics) if numerics is not None else {}
+            env = switch.environment(numerics) if numerics is not None else {}
             prefix = None
             if not getattr(args, "no_flight", False):
-                from . import wrap_flight
+                from . import flight
 
-                more, prefix = wrap_flight.environment(report_dir, {**os.environ, **env})
+                more, prefix = flight.environment(report_dir, {**os.environ, **env})
                 env = {**env, **more}
                 os.makedirs(report_dir, exist_ok=True)  # (NCCL's own dump on a timeout needs the folder)
             result = run_command(cmd, log_file=log_file, interval=interval, report_dir=report_dir, env=env or None)
@@ -192,9 +192,9 @@ def run(args: argparse.Namespace) -> int:
             _say(f"cannot create the report folder {report_dir}: {e.strerror or e}")
             return EXIT_USAGE
         if numerics is not None:
-            result.findings.append(wrap_switch.attach_finding(report_dir, started))
+            result.findings.append(switch.attach_finding(report_dir, started))
         if prefix is not None:
-            result.findings += wrap_flight.findings(report_dir, prefix)
+            result.findings += flight.findings(report_dir, prefix)
         if not existed:  # a folder that holds nothing goes again (made only for a report)
             _remove_empty(report_dir, os.path.dirname(report_dir) if default_dir else None)
 
@@ -246,7 +246,7 @@ def _close(f) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point (``python -c 'from torchdoctor.logs.wrap_run import main; main()'``)."""
+    """Standalone entry point (``python -c 'from torchdoctor.run.command import main; main()'``)."""
     parser = argparse.ArgumentParser(prog="torchdoctor run", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..runvars import REPORT_DIR_VAR
+from ...runvars import REPORT_DIR_VAR
 from . import markers, trainers
 from .imports import when_imported
 
@@ -83,7 +83,7 @@ class Switch:
     # ------------------------------------------------------------------ attaching
     def plain(self, model: Any, optimizer: Any, scaler: Any) -> None:
         """From inside the first ``optimizer.step()`` of a plain loop (:mod:`.plain`)."""
-        from ..numerics.monitor import NumericsMonitor, monitor_of
+        from ...numerics.monitor import NumericsMonitor, monitor_of
 
         if self._own(monitor_of(model)):
             return
@@ -94,7 +94,7 @@ class Switch:
     def engine(self, engine: Any) -> None:
         """The engine ``deepspeed.initialize`` returned."""
         try:
-            from ..numerics.monitor import NumericsMonitor, monitor_of
+            from ...numerics.monitor import NumericsMonitor, monitor_of
 
             if not self._own(monitor_of(engine)):
                 self.announce(NumericsMonitor(engine, _via="switch", **self.monitor_kwargs), "deepspeed")

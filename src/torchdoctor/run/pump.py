@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from ..findings import Finding
-from .reading import SNIFF_BYTES, decoder_for
+from ..logs.reading import SNIFF_BYTES, decoder_for
 
 _READ_CHUNK = 65536  # a pipe's default capacity: one read takes what it holds
 _MAX_PARTIAL_LINE = 1 << 20  # a "line" longer than this is fed to the analyzer in pieces
@@ -164,11 +164,11 @@ class Analysis:
     def __init__(self) -> None:
         self.error: str | None = None
         self.analyzer: Any = None
-        from .wrap_numerics import OutputScan
+        from .numerics_verdict import OutputScan
 
         self.numerics = OutputScan()  # the numerics monitor's Detected lines (guarded on its own)
         try:
-            from .analyze import Analyzer
+            from ..logs.analyze import Analyzer
 
             self.analyzer = Analyzer(source="command")
         except Exception as e:  # noqa: BLE001 -- reported as a finding, the run goes on

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..numerics.record.watched import live_modules
+from ...numerics.record.watched import live_modules
 
 
 def param_ids(optimizer: Any) -> set[int]:
@@ -89,7 +89,7 @@ class PlainLoops:
             if model is not None:
                 self._attach(model, optimizer, find_scaler())
         except Exception as e:  # never the training's failure, unless it is the verdict (weights already nan)
-            from ..numerics.errors import NonFiniteError
+            from ...numerics.errors import NonFiniteError
 
             if isinstance(e, NonFiniteError):
                 raise

@@ -1,6 +1,6 @@
 """The findings of ``torchdoctor run`` about the command itself: ``process.exit`` (how it ended; for SIGKILL, whether
 the OOM killer did it, with what evidence) and ``process.memory`` (host RAM nearly exhausted). Pure functions of a
-:class:`~torchdoctor.logs.wrap_result.RunResult`; :mod:`.wrap` runs the command and collects it.
+:class:`~torchdoctor.run.result.RunResult`; :mod:`.supervisor` runs the command and collects it.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 from .._system import fmt_bytes
 from ..findings import Finding
-from .judge_process import SIGKILL_OTHER_SENDERS, SIGKILL_SENDERS
+from ..logs.judge_process import SIGKILL_OTHER_SENDERS, SIGKILL_SENDERS
 
 if TYPE_CHECKING:
-    from .wrap_result import RunResult
+    from .result import RunResult
 
 #: Signals a program dies of by itself (a crash, not a kill), as ``run`` names them.
 _CRASHES = {signal.SIGSEGV: "a segmentation fault", signal.SIGBUS: "a bus error", signal.SIGABRT: "an abort",

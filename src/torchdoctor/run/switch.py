@@ -2,7 +2,7 @@
 
 The options (``--watch``, ``--grads``, ``--transient``, ``--headroom[-every]``, ``--trace-steps``,
 ``--abort-after-step``; any of them turns ``--numerics`` on) go to the command's environment with the bootstrap
-(:mod:`torchdoctor.autoattach`), which each Python process loads at start-up and which attaches the monitor to what
+(:mod:`torchdoctor.run.inside`), which each Python process loads at start-up and which attaches the monitor to what
 that process trains. After the run, what was attached is read back from the markers each process left in the report
 folder: a run where no Python process loaded the bootstrap (the command runs no Python, or resets ``PYTHONPATH``),
 or where one did but found nothing to watch, gets a note.
@@ -94,7 +94,7 @@ def options(args: argparse.Namespace, report_dir: str) -> dict[str, Any] | None:
 
 def environment(opts: dict[str, Any]) -> dict[str, str]:
     """The variables that make the command's Python processes load the bootstrap with ``opts``."""
-    from ..autoattach import child_environment
+    from .inside import child_environment
 
     env = child_environment(opts, os.environ)
     return {k: v for k, v in env.items() if os.environ.get(k) != v}
@@ -102,7 +102,7 @@ def environment(opts: dict[str, Any]) -> dict[str, str]:
 
 def attach_finding(report_dir: str, since: float) -> Finding:
     """What ``--numerics`` attached to in this run, from the markers of its processes (removed once read)."""
-    from ..autoattach import markers
+    from .inside import markers
 
     loaded = markers.read(report_dir, "loaded", since)
     attached = markers.read(report_dir, "attached", since)

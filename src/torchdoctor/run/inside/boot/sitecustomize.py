@@ -1,8 +1,8 @@
 """torchdoctor's start-up hook for ``torchdoctor run``: on ``PYTHONPATH`` only while such a run goes on.
 
-With ``TORCHDOCTOR_FLIGHT`` set it installs ``torchdoctor.autoattach.flight`` (a distributed process dumps its
+With ``TORCHDOCTOR_FLIGHT`` set it installs ``torchdoctor.run.inside.flight`` (a distributed process dumps its
 Flight Recorder records as it ends badly). With ``TORCHDOCTOR_NUMERICS`` set (to ``run``'s JSON options, or to
-``1`` for the defaults), it installs ``torchdoctor.autoattach.startup`` (import hooks, nothing heavy). Either way it
+``1`` for the defaults), it installs ``torchdoctor.run.inside.startup`` (import hooks, nothing heavy). Either way it
 then runs the ``sitecustomize`` it hides on ``sys.path`` (a distribution's, a virtual environment's, the user's),
 whose errors Python reports as it would have. Nothing of torchdoctor's own ever stops the process: it says so in
 one line and the program runs without it.
@@ -13,7 +13,7 @@ import sys as _sys
 
 
 def _torchdoctor_start(var: str, module: str, what: str, defaults: bool) -> None:
-    """Install ``torchdoctor.autoattach.<module>`` with the JSON options in ``$var`` (``defaults``: ``1`` stands for
+    """Install ``torchdoctor.run.inside.<module>`` with the JSON options in ``$var`` (``defaults``: ``1`` stands for
     the defaults, a hand-written switch); unset, ``0`` or empty: nothing at all."""
     raw = _os.environ.get(var, "").strip()
     if raw in ("", "0") or not (raw.startswith("{") or defaults):
@@ -26,7 +26,7 @@ def _torchdoctor_start(var: str, module: str, what: str, defaults: bool) -> None
         options = json.loads(raw) if raw.startswith("{") else {}
         if importlib.util.find_spec("torchdoctor") is None and options.get("path"):
             _sys.path.append(options["path"])  # the torchdoctor that started the run
-        importlib.import_module(f"torchdoctor.autoattach.{module}").install(options)
+        importlib.import_module(f"torchdoctor.run.inside.{module}").install(options)
     except Exception as e:  # (never the program's failure)
         _sys.stderr.write(f"[torchdoctor] {what} is off in this process: {type(e).__name__}: {e}\n")
 

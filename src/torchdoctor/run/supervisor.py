@@ -4,10 +4,10 @@ A DeepSpeed run that exhausts host RAM while loading is SIGKILLed by the kernel 
 log just stops. Only something *outside* the process can say what happened, so :func:`run_command` runs the
 command as a child and watches it, with two helpers:
 
-* :mod:`.wrap_process` -- the child itself: started in its own process group (SIGINT, SIGTERM, SIGHUP and
+* :mod:`.process` -- the child itself: started in its own process group (SIGINT, SIGTERM, SIGHUP and
   SIGQUIT sent to us are forwarded to that whole group, the third SIGINT sends SIGKILL), and every
   ``interval`` seconds the summed ``VmRSS`` of its whole process tree and the machine's ``MemAvailable``;
-* :mod:`.wrap_pump` -- its output: stdout and stderr passed through unchanged as they arrive (and appended to
+* :mod:`.pump` -- its output: stdout and stderr passed through unchanged as they arrive (and appended to
   a log file if asked), decoded (UTF-8, a line that is not as Latin-1, a UTF-16 stream as UTF-16) and fed to
   the log :class:`~torchdoctor.logs.analyze.Analyzer` in blocks of whole lines.
 
@@ -48,7 +48,7 @@ from .._system import (
 )
 from ..findings import Finding
 from ..runvars import REPORT_DIR_VAR
-from .wrap_findings import (  # noqa: F401 -- re-exported: the findings are part of this module's API
+from .exit_findings import (  # noqa: F401 -- re-exported: the findings are part of this module's API
     MEMORY_FIXES,
     _memory_low,
     _not_low_phrase,
@@ -58,9 +58,9 @@ from .wrap_findings import (  # noqa: F401 -- re-exported: the findings are part
     exit_finding,
     memory_finding,
 )
-from .wrap_process import Memory, Signals, WrapError, process_tree, spawn, terminate, vm_rss
-from .wrap_pump import Analysis, Pump
-from .wrap_result import KernelLog, RunResult
+from .process import Memory, Signals, WrapError, process_tree, spawn, terminate, vm_rss
+from .pump import Analysis, Pump
+from .result import KernelLog, RunResult
 
 _DRAIN_IDLE_S = 1.0  # after the child exits: stop reading once the pipes are idle this long ...
 _DRAIN_MAX_S = 5.0  # ... or this long at most (a daemonised grandchild may hold the pipes forever)
@@ -338,7 +338,7 @@ def _numerics(findings: list[Finding], analysis: Analysis, report_dir: str | Non
     """The log findings with the numerics monitor's verdict (``numerics.nonfinite``) first, its traceback folded
     in; a bug here costs only that finding."""
     try:
-        from .wrap_numerics import fold, nonfinite_finding, read_reports
+        from .numerics_verdict import fold, nonfinite_finding, read_reports
 
         dirs = [d for d in (report_dir, os.getcwd()) if d]
         reports, problems = read_reports(dirs, since)

@@ -37,7 +37,8 @@ __all__ = ["BOOT_DIR", "FLIGHT_VAR", "OPTIONS_VAR", "child_environment", "marker
 
 def package_parent() -> str:
     """The folder the ``torchdoctor`` package is imported from (for a bootstrap in a process that lacks it)."""
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = os.path.dirname(os.path.abspath(__file__))  # .../torchdoctor/run/inside
+    return os.path.dirname(os.path.dirname(os.path.dirname(here)))
 
 
 def child_environment(options: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, str]:

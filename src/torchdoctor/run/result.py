@@ -1,5 +1,5 @@
 """What ``torchdoctor run`` observed about one run of a command (:class:`RunResult`), and what the kernel log said
-about it (:class:`KernelLog`): the data :mod:`.wrap` collects and :mod:`.wrap_findings` judges."""
+about it (:class:`KernelLog`): the data :mod:`.supervisor` collects and :mod:`.exit_findings` judges."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from .._system import GIB
 from ..findings import Finding
-from .analyze import signal_name as signame
+from ..logs.analyze import signal_name as signame
 
 
 @dataclass
