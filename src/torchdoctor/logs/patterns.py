@@ -87,11 +87,14 @@ _LOSS_SEP = r"""(?:['"\]]?[ \t]*[:=|][ \t]*['"]?|['"\]]?[ \t]+(?:is[ \t]+)?)"""
 #: (mosaicml/composer ``composer/loggers/console_logger.py``: ``{prefix}{name}: {value}``), TensorBoard-style
 #: names ``loss/total``.
 _LOSS_PATH = r"(?:/[\w.-]+)*"
-LOSS_SCAN_RE = re.compile(r"oss" + _LOSS_PATH + _LOSS_SEP + _NONFINITE)
+#: ... or go on as a word: Lightning's ``train_loss_step`` / ``train_loss_epoch``, mmdet's ``loss_cls`` (never the
+#: loss *scale*: ``loss_scale`` is fp16's, read by the scaler rules)
+_LOSS_TAIL = r"(?:_(?!scale)[A-Za-z]\w*)?"
+LOSS_SCAN_RE = re.compile(r"oss" + _LOSS_TAIL + _LOSS_PATH + _LOSS_SEP + _NONFINITE)
 NORM_SCAN_RE = re.compile(r"""_norm['"]?[ \t]*[:=][ \t]*['"]?""" + _NONFINITE)
 #: A finite loss value (checked only after a non-finite one, to tell whether training recovered; a 0 is not one).
 FINITE_LOSS_RE = re.compile(
-    r"(?P<key>\w*[lL]oss" + _LOSS_PATH + ")" + _LOSS_SEP
+    r"(?P<key>\w*[lL]oss" + _LOSS_TAIL + _LOSS_PATH + ")" + _LOSS_SEP
     + r"(?:tensor\()?(?P<v>[-+]?(?:\d|\.\d)[\d.]*(?:[eE][-+]?\d+)?)")
 #: Plain substrings searched with str.find (their first characters are too common for SCAN_RE): each is a pass over
 #: the text (~0.3 ms per MB), so they are few and wide. "_scale" finds DeepSpeed's config print (min_loss_scale,
@@ -165,7 +168,8 @@ GLOBAL_STEP_RE = re.compile(r"Global Step:[ \t]*(\d+)")
 PRINTED_SCALE_RE = re.compile(rf"\bloss_scale['\"]?[ \t]*[:=][ \t]*(?P<scale>{NUM})")
 
 # non-finite loss / grad norm (full check on the candidate line; the key of each rule is below)
-LOSS_RE = re.compile(r"(?P<key>\w*[lL]oss" + _LOSS_PATH + ")" + _LOSS_SEP + "(?P<val>" + _NONFINITE + ")")
+LOSS_RE = re.compile(r"(?P<key>\w*[lL]oss" + _LOSS_TAIL + _LOSS_PATH + ")" + _LOSS_SEP + "(?P<val>" + _NONFINITE
+                     + ")")
 NORM_RE = re.compile(r"""(?P<key>\w*_norm)['"]?[ \t]*[:=][ \t]*['"]?(?P<val>""" + _NONFINITE + ")")
 STEP_KEY_RE = re.compile(r"""['"](?:global_)?step['"]:[ \t]*(\d+)""")
 #: The Trainer's ``'loss': 0.0`` (4.x) / ``'loss': '0'`` (5.x): with ``'grad_norm': nan`` the loss was NaN on every

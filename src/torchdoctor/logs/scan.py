@@ -132,9 +132,10 @@ class Scanner(Reader, Progress):
         pos += [m.start() for m in P.ERROR_SCAN_RE.finditer(buf, 0, end)]
         pos += [m.start() for m in P.LOSS_SCAN_RE.finditer(buf, 0, end)]
         pos += [m.start() for m in P.NORM_SCAN_RE.finditer(buf, 0, end)]
-        pos += [m.start() for m in tables.HEADER_SCAN_RE.finditer(buf, 0, end)]
-        if self._table is not None:  # a table's rows: only those with a nan/inf field
-            pos += [m.end() - 1 for m in tables.ROW_SCAN_RE.finditer(buf, 0, end)]
+        heads = [m.start() for m in tables.HEADER_SCAN_RE.finditer(buf, 0, end)]
+        pos += heads
+        if self._table is not None or heads:  # a table's rows: only those with a nan/inf field
+            pos += tables.nonfinite_fields(buf, end)
         for needle in NEEDLES:
             i = buf.find(needle, 0, end)
             while i >= 0:

@@ -15,9 +15,9 @@ another word is joined to it, as fastai 0.7's ``train loss``). A row is a line o
 is a count (``3`` or ``3/100``), most of the rest numbers, sizes or times; fields past the header's count are allowed
 only when a progress bar follows them (ultralytics). The value under a loss column is that loss.
 
-Rows are read only where a value is nan or inf (the scanner's ``ROW_SCAN_RE`` finds those, and only while a header is
-known): a finite row is not looked at, so a run whose table goes back to finite numbers is not seen to recover (the
-loss finding then says the run stopped being finite, which the table showed).
+Rows are read only where a value is nan or inf (the scanner finds those with :func:`nonfinite_fields`, and only while a
+header is known or in the text with one): a finite row is not looked at, so a run whose table goes back to finite
+numbers is not seen to recover (the loss finding then says the run stopped being finite, which the table showed).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import re
 MAX_COLS = 24
 #: where a header may be: a loss name followed by another name (the scanner finds candidate lines with it)
 HEADER_SCAN_RE = re.compile(r"(?i:loss)[ \t]+[A-Za-z_(]")
-#: a nan/inf standing alone as a field (a row's value): searched only while a table header is known
+#: a nan/inf standing alone as a field (a row's value) -- a line holding one may be a row
 ROW_SCAN_RE = re.compile(r"(?:^|[ \t])[-+]?(?i:nan|inf)(?:\.0+)?(?=[ \t\r\n]|$)", re.M)
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?%?$")
 _FIELD = re.compile(r"[-+]?(?:nan|inf)(?:\.0+)?$|\d+/\d+$|[\d.]+[KMGT]i?B?$|\d+:\d\d(?::\d\d)?$|[\d.]+s$", re.I)
@@ -68,6 +68,24 @@ def row(text: str, cols: list[str]) -> dict[str, str] | None:
     if not re.match(r"\d+(?:/\d+)?$", fields[0]) or sum(map(_value, fields)) < max(2, (n + 1) // 2):
         return None
     return {c: v for c, v in zip(cols, fields) if "loss" in c.lower()}
+
+
+def nonfinite_fields(buf: str, end: int) -> list[int]:
+    """Where ``buf[:end]`` holds ``nan`` or ``inf`` as a field of its own (Python prints them lower case): found with
+    ``str.find``, each checked for whitespace around it (a ``.0`` padding allowed)."""
+    out = []
+    for word in ("nan", "inf"):
+        i = buf.find(word, 0, end)
+        while i >= 0:
+            before = buf[i - 1] if i else "\n"
+            j = i + 3
+            while j < end and buf[j] in ".0":
+                j += 1
+            after = buf[j] if j < end else "\n"
+            if before in " \t\n+-" and after in " \t\r\n":
+                out.append(i)
+            i = buf.find(word, i + 3, end)
+    return out
 
 
 def nonfinite(value: str) -> bool:
