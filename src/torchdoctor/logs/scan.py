@@ -348,7 +348,8 @@ class Scanner(Reader, Progress):
             self._box = None
             return seg
         if lineno > first and seg.startswith(prefix) and seg[len(prefix):indent].isspace():
-            return seg[:len(prefix)] + seg[indent:]
+            lead = prefix.rstrip()  # a launcher's prefix before the box is kept, the box's indent is not
+            return (lead + " " if lead else "") + seg[indent:]
         return seg
 
     def _table_line(self, text: str, lineno: int) -> bool:
