@@ -218,7 +218,8 @@ def test_a_cuda_error_surfacing_again_at_a_later_call_is_folded_into_the_first()
 def test_an_error_inside_pips_box_is_read_as_the_builds_own():
     # pip/_internal/exceptions.py InstallationSubprocessError: "╰─> [N lines of output]", lines indented to the box
     box = ["Collecting flash-attn", "  Preparing metadata (setup.py) ... error",
-           "  error: subprocess-exited-with-error", "", "  × python setup.py egg_info did not run successfully.", "  │ exit code: 1",
+           "  error: subprocess-exited-with-error", "", "  × python setup.py egg_info did not run successfully.",
+           "  │ exit code: 1",
            "  ╰─> [7 lines of output]", "      Traceback (most recent call last):",
            '        File "<string>", line 2, in <module>',
            '        File "/tmp/pip-install-x/flash-attn_1/setup.py", line 120, in <module>',
