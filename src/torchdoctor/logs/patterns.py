@@ -45,7 +45,7 @@ DS_PREFIX_RE = re.compile(
 SCAN_ANCHORS = (
     # DeepSpeed fp16 loss scaling
     "OVERFLOW", "verflow", "Reducing dynamic", "Increasing dynamic", "Using static loss", "Current loss scale",
-    "Exception: ", "Grad Scale:", "number of skipped iterations", "╰─> [",
+    "Exception: ", "Grad Scale:", "╰─> [",
     # memory
     "CUDA out of memory", "OutOfMemoryError", "Out of memory", "Killed", "killed  ", "OOM",
     "CPU Virtual Memory", "Max_MA",
@@ -102,7 +102,8 @@ FINITE_LOSS_RE = re.compile(
 #: C++'s "terminate called after". ERROR_SCAN_RE finds the lower-case error lines (gcc's and nvcc's "error:",
 #: "[error]", "cuda runtime error (N)", DeepSpeed's "kernel execution error.", "nvcc error :") -- "Error" and "ERROR"
 #: are anchors of SCAN_RE --, never a metric's "val error 0.05".
-NEEDLES = ("_scale", "| loss scale: ", "segmentation fault", "terminate called after", "died due to signal", " nan]")
+NEEDLES = ("_scale", "| loss scale: ", "segmentation fault", "terminate called after", "died due to signal", " nan]",
+           "skipped iterations")
 #: The lower-case error forms, searched with one regex (its literal prefix "error" makes it one fast pass).
 ERROR_SCAN_RE = re.compile(r"error(?:[:\].]| ?\(| +:)")
 #: A traceback's frames and its last line (``ValueError: bad``, ``torch.AcceleratorError: CUDA error: ...``,

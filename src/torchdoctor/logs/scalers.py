@@ -109,7 +109,7 @@ MESSAGES: tuple[ScalerMessage, ...] = (
 #: literals for the scanner's prefilter: each message's line holds one
 ANCHORS = ("Gradient overflow", "Skipping step", "Using dynamic loss scale", "Minimum loss scale", "AMP: overflow",
            "Overflow occurs", "Found overflow", "No overflow for", "Check overflow", "Found NaN, decreased",
-           "Found inf or nan")
+           "Found inf or nan")  # (F: a capital, rarer than the lower-case letters the anchors avoid)
 NEEDLES: tuple[str, ...] = ()  # fairseq's "gradient overflow detected": the analyzer's "verflow" anchor
 
 

@@ -134,8 +134,8 @@ class Scanner(Reader, Progress):
         pos += [m.start() for m in P.NORM_SCAN_RE.finditer(buf, 0, end)]
         heads = [m.start() for m in tables.HEADER_SCAN_RE.finditer(buf, 0, end)]
         pos += heads
-        if self._table is not None or heads:  # a table's rows: only those with a nan/inf field
-            pos += tables.nonfinite_fields(buf, end)
+        if self._table is not None or any(tables.header(self._line_at(buf, p, end)) for p in heads[:16]):
+            pos += tables.nonfinite_fields(buf, end)  # a table's rows: only those with a nan/inf field
         for needle in NEEDLES:
             i = buf.find(needle, 0, end)
             while i >= 0:
@@ -339,6 +339,12 @@ class Scanner(Reader, Progress):
                 self._on_unknown_line(text, lineno)
             except Exception:  # noqa: BLE001
                 self._internal_errors += 1
+
+    @staticmethod
+    def _line_at(buf: str, p: int, end: int) -> str:
+        s = buf.rfind("\n", 0, p) + 1
+        e = buf.find("\n", p, end)
+        return strip_prefixes(buf[s: e if e >= 0 else end]).text
 
     def _unbox(self, seg: str, lineno: int) -> str:
         """A line inside pip's box (``╰─> [N lines of output]``) without the box's indent: the build's own line, so its

@@ -26,7 +26,7 @@ import re
 
 MAX_COLS = 24
 #: where a header may be: a loss name followed by another name (the scanner finds candidate lines with it)
-HEADER_SCAN_RE = re.compile(r"(?i:loss)[ \t]+[A-Za-z_(]")
+HEADER_SCAN_RE = re.compile(r"oss[ \t]+[A-Za-z_(]")  # a literal first: one fast pass (the "l" is checked by header())
 #: a nan/inf standing alone as a field (a row's value) -- a line holding one may be a row
 ROW_SCAN_RE = re.compile(r"(?:^|[ \t])[-+]?(?i:nan|inf)(?:\.0+)?(?=[ \t\r\n]|$)", re.M)
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?%?$")

@@ -137,8 +137,9 @@ class Build(Family):
                "ja: build stopped", "Error building extension", "CUDA op(s)", "CUDA was not found",
                "The detected CUDA version", "The current installed version of", "CUDA_MISMATCH_MESSAGE",
                "Unable to JIT load", "Unable to run", "CUDA_HOME", "No CUDA runtime", "C++17",
-               "DeepSpeed ops were compiled", "xFormers", "vcc was not found")
-    NEEDLES = ()  # "undefined symbol", "does not exist", "died due to signal": on an error line ("rror")
+               "DeepSpeed ops were compiled", "xFormers")
+    NEEDLES = ("nvcc was not found",)  # (a warning's words); "undefined symbol", "does not exist", "died due to
+    # signal": on an error line ("rror")
     CAUSE_EVENTS = frozenset({"cuda-mismatch", "cuda-home", "compiler-error", "build-failed", "undefined-symbol"})
     #: handler -> the regex its first line matches when the message goes on over the next lines
     JOINS = {"on_torch_cuda_mismatch": TORCH_CUDA_MISMATCH_HEAD_RE}

@@ -40,7 +40,7 @@ class SharedMemory(Family):
         ("No space left on device", ENOSPC_RE, "on_enospc"),
         ("SemLock", SEMLOCK_RE, "on_semlock"),
     )
-    ANCHORS = ("</torch_", "insufficient shared memory", "No space left on device", "SemLock")
+    ANCHORS = ("SemLock",)  # (the other lines are error lines: found by the analyzer's "Error"/"ERROR" anchors)
     NEEDLES = ()
     CAUSE_EVENTS = frozenset({"shm-full"})
 
