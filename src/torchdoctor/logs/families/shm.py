@@ -93,8 +93,9 @@ class SharedMemory(Family):
                    "fewer DataLoader workers / a smaller prefetch_factor keep fewer tensors in flight"]
         else:
             why = _ERRNO.get(errno or "", "")
-            if first["kind"] == "bus":
-                how = "a DataLoader worker died of SIGBUS writing to shared memory"
+            if first["kind"] == "bus":  # torch's words are a guess ("might be caused by"): said as one
+                how = ("a DataLoader worker died of SIGBUS (a bus error); torch's message says it might be "
+                       "insufficient shared memory -- a hypothesis until df -h /dev/shm shows it full")
             elif first["kind"] == "semlock":
                 how = "a DataLoader queue's lock (a POSIX semaphore, kept in /dev/shm) could not be created"
             elif errno:
@@ -102,8 +103,8 @@ class SharedMemory(Family):
             else:
                 how = (f"writing {first.get('name', 'a /torch_ file')} in /dev/shm failed, and this torch's message "
                        "gives no reason (a full /dev/shm is the usual one)")
-            title = (f"shared memory (/dev/shm) ran out: {how}" if errno or first["kind"] != "file" else
-                     f"a process could not write its shared-memory file: {how}")
+            title = (f"shared memory (/dev/shm) ran out: {how}" if errno or first["kind"] == "semlock" else
+                     f"a process could not use shared memory: {how}")
             fix = ["df -h /dev/shm shows its size: in Docker the default is 64 MB -- docker run --shm-size=16g (or "
                    "--ipc=host); Kubernetes: mount an emptyDir with medium: Memory at /dev/shm; Slurm/apptainer jobs "
                    "get the node's /dev/shm, which other jobs may fill",
