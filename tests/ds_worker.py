@@ -21,6 +21,7 @@ from torch import nn
 
 from conftest import Boom, leave_worker  # identity forward, a gradient times 1e39 (inf) in the backward when enabled
 from torchdoctor import NonFiniteError, NumericsMonitor
+from torchdoctor.numerics.judge.history import resolved
 from torchdoctor.syncs import SyncCounter
 
 
@@ -107,8 +108,8 @@ def detect(engine, grads: str, kind: str, out_dir: str, tag: str) -> dict:
     bad_rank = world - 1
     result: dict = {}
     with NumericsMonitor(engine, grads=grads, report_dir=os.path.join(out_dir, tag)) as mon:
-        result["names"] = sorted({i.name for i in mon._infos.values()})
-        result["engine"] = mon._engine.kind
+        result["names"] = sorted({i.name for i in mon._watched.infos.values()})
+        result["engine"] = mon._watched.engine.kind
         result["optimizer"] = type(mon.optimizer).__name__
         train_step(engine, batch(engine, 0))
         before = snapshot(engine)
@@ -147,7 +148,7 @@ def run_engine_case(case: str, out_dir: str) -> dict:
         out["clean_steps"] = mon.step_index
         out["zero3_weights"] = [
             line.label + ("" if line.scope is None else f" ({line.scope})") + f"={line.kind or 'measured'}"
-            for f in mon._resolved(list(mon._history)) if f.name == "hidden" for line in f.lines if line.param
+            for f in resolved(list(mon._steps.history.records)) if f.name == "hidden" for line in f.lines if line.param
         ]
     for kind in ("forward", "backward"):
         for grads in ("none", "params", "modules"):
@@ -281,7 +282,7 @@ def run_hf(out_dir: str) -> dict:
     original_end = cb.on_train_end
 
     def on_end(*a, **k):
-        seen["steps"], seen["engine"] = cb.monitor.step_index, cb.monitor._engine.kind
+        seen["steps"], seen["engine"] = cb.monitor.step_index, cb.monitor._watched.engine.kind
         seen["optimizer"] = type(cb.monitor.optimizer).__name__
         return original_end(*a, **k)
 

@@ -110,8 +110,8 @@ def run_level(wrap: str, grads: str, out_dir: str) -> dict:
         train_step(model, opt, batch(wrap, 1, rank))
     result: dict = {"grads": grads}
     with NumericsMonitor(model, optimizer=opt, grads=grads, report_dir=os.path.join(out_dir, f"{wrap}-{grads}")) as mon:
-        result["names"] = sorted({i.name for i in mon._infos.values()})
-        result["classes"] = sorted({i.cls for i in mon._infos.values()})
+        result["names"] = sorted({i.name for i in mon._watched.infos.values()})
+        result["classes"] = sorted({i.cls for i in mon._watched.infos.values()})
         train_step(model, opt, batch(wrap, 2, rank))
         with SyncCounter() as watched:
             train_step(model, opt, batch(wrap, 3, rank))

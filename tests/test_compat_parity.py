@@ -168,7 +168,7 @@ def test_submodule_only_calls_keep_a_bounded_buffer_and_sync_once_per_call():
     engine = d._engine
     for _ in range(200):
         model.transformer(ids)
-    held = len(engine._rec.frames) + sum(len(r.frames) for r in engine._history)
+    held = len(engine._recorder.rec.frames) + sum(len(r.frames) for r in engine._steps.history.records)
     assert held <= d.max_frames_to_save
     with SyncCounter() as c:
         model.transformer(ids)

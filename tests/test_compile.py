@@ -188,7 +188,7 @@ def test_compiled_after_attaching_is_said_or_caught_up():
         for _ in range(2):
             model(torch.randn(8, 32)).sum().backward()
             opt.step()
-        assert mon._history[-1].frames[-1].info.boundary
+        assert mon._steps.history.records[-1].frames[-1].info.boundary
     torch._dynamo.reset()
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -253,11 +253,11 @@ def test_model_compile_root_leaves_no_call_in_flight():
     with NumericsMonitor(model) as mon:
         for _ in range(3):
             model(torch.randn(2, 32))
-            assert mon._root_depth == 0
-        recorded = len(mon._rec.frames)
+            assert mon._recorder.root_depth == 0
+        recorded = len(mon._recorder.rec.frames)
         with torch.no_grad():
             model.body[0](torch.randn(2, 32))  # a submodule alone under no_grad: not part of any step
-        assert len(mon._rec.frames) == recorded
+        assert len(mon._recorder.rec.frames) == recorded
 
 
 def test_region_names_look_through_wrappers():
@@ -265,5 +265,5 @@ def test_region_names_look_through_wrappers():
     model.body[5] = torch.compile(model.body[5], backend="aot_eager")
     call = torch.compile(nn.DataParallel(model), backend="aot_eager")
     with NumericsMonitor(call) as mon:
-        names = sorted((r.info.name, r.is_root) for r in mon._regions.regions)
+        names = sorted((r.info.name, r.is_root) for r in mon._watched.regions.regions)
     assert names == [("", True), ("body.5", False)]

@@ -236,7 +236,7 @@ def test_detection_at_with_exit_is_caught_by_a_try_around_the_with(tmp_path):
     assert error.details.step == 0 and mon.report is error.details
     assert any("try around the with block" in n for n in error.details.notes)
     assert "try around the with block" in error.report
-    assert not mon._handles  # closed all the same
+    assert mon._hooks.closed and not mon._hooks._handles  # closed all the same
 
 
 def test_a_closed_monitor_refuses_a_second_with_block_and_a_new_one_watches(tmp_path):

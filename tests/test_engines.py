@@ -12,7 +12,13 @@ from torch import nn
 from torchdoctor import NonFiniteError, NumericsMonitor
 from torchdoctor.numerics.engines import DeepSpeedEngine, Engine, MonitorWarning, select_engine
 from torchdoctor.numerics.engines.scalers import LossScaler
-from torchdoctor.numerics.engines.wrappers import clean_name, named_user_modules, unwrap_model, user_class_name
+from torchdoctor.numerics.engines.wrappers import (
+    clean_name,
+    named_user_modules,
+    unwrap_model,
+    user_class_name,
+    wrapper_chain,
+)
 
 
 def mlp() -> nn.Sequential:
@@ -122,14 +128,14 @@ def test_accelerate_prepare_then_the_monitor(tmp_path):
 
 def test_engine_selection():
     model = mlp()
-    assert type(select_engine(model, torch.optim.SGD(model.parameters(), lr=1), None)) is Engine
+    assert type(select_engine(wrapper_chain(model), torch.optim.SGD(model.parameters(), lr=1), None)) is Engine
     ds = pytest.importorskip("deepspeed")
     del ds
     param = nn.Parameter(torch.zeros(0))
     param.ds_id = 0  # a ZeRO-3 parameter: DeepSpeed even without its engine at hand
     holder = nn.Module()
     holder.p = param
-    assert isinstance(select_engine(holder, None, None), DeepSpeedEngine)
+    assert isinstance(select_engine(wrapper_chain(holder), None, None), DeepSpeedEngine)
 
 
 def test_loss_scalers_of_both_libraries():

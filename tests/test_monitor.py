@@ -255,7 +255,7 @@ def test_gradient_checkpointing_recomputation_is_not_a_new_frame(reentrant):
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         with NumericsMonitor(model, optimizer=opt, grads="modules") as mon:
             train_step(model, opt, batch)
-            frames = mon._history[-1].frames
+            frames = mon._steps.history.records[-1].frames
             counts[name] = (
                 sum(f.phase == "fwd" for f in frames),
                 sum(f.phase == "bwd" for f in frames),
@@ -273,7 +273,7 @@ def test_shared_module_and_no_grad_inference_count_steps_per_forward():
         for _ in range(3):
             model(torch.randn(2, 4))
         assert mon.step_index == 3
-        names = [f.info.name for f in mon._history[-1].frames]
+        names = [f.info.name for f in mon._steps.history.records[-1].frames]
     assert names.count("0") == 2  # the shared module's two calls, under its first name
 
 
@@ -323,11 +323,11 @@ def test_forward_that_raises_keeps_hooks_consistent():
     with NumericsMonitor(model) as mon:
         with pytest.raises(RuntimeError, match="user error"):
             model(torch.full((1, 2), 1e7))
-        assert mon._rec.frames == []  # the failed forward left nothing behind
+        assert mon._recorder.rec.frames == []  # the failed forward left nothing behind
         model(torch.ones(1, 2))
-        frames_of_one_forward = len(mon._rec.frames)
+        frames_of_one_forward = len(mon._recorder.rec.frames)
         model(torch.ones(1, 2))  # a training forward's step closes when the next one starts
-        assert mon.step_index == 1 and len(mon._rec.frames) == frames_of_one_forward
+        assert mon.step_index == 1 and len(mon._recorder.rec.frames) == frames_of_one_forward
     assert not any(m._forward_hooks for m in model.modules())
 
 
@@ -424,7 +424,7 @@ def test_evaluation_forwards_between_steps_are_checked_on_their_own():
                 with SyncCounter() as c:
                     model(**batch)
                 assert c.count == 1  # one read per evaluation forward
-        assert mon._rec.frames == []  # nothing piled onto the next training step
+        assert mon._recorder.rec.frames == []  # nothing piled onto the next training step
         train_step(model, opt, batch)
         assert mon.step_index == 2
         with torch.no_grad():
@@ -542,7 +542,7 @@ def test_inference_mode_and_submodules_called_alone_under_no_grad():
         with torch.no_grad():
             for _ in range(3):
                 model.encoder(input_ids=batch["input_ids"])  # as generate() does
-        assert mon._rec.frames == []
+        assert mon._recorder.rec.frames == []
         train_step(model, opt, batch)
         assert mon.step_index == 1
 
@@ -609,7 +609,7 @@ def test_ctrl_c_inside_a_forward_does_not_leave_the_monitor_confused():
             opt.zero_grad()
         with torch.no_grad():
             m(torch.randn(2, 4))  # an evaluation forward is still checked on its own
-        assert mon.step_index == 2 and mon._rec.frames == [] and mon._root_depth == 0
+        assert mon.step_index == 2 and mon._recorder.rec.frames == [] and mon._recorder.root_depth == 0
 
 
 def test_gradients_are_checked_when_the_next_forward_closes_the_step():
@@ -866,8 +866,8 @@ def test_a_loop_calling_only_a_submodule_is_checked_and_its_frames_stay_bounded(
     with NumericsMonitor(model) as mon:  # no optimizer: steps end at each outermost call
         for _ in range(200):
             model.transformer(ids).last_hidden_state.sum().backward()
-        held = len(mon._rec.frames) + sum(len(r.frames) for r in mon._history)
-        per_call = len(mon._rec.frames)
+        held = len(mon._recorder.rec.frames) + sum(len(r.frames) for r in mon._steps.history.records)
+        per_call = len(mon._recorder.rec.frames)
         assert per_call and held <= per_call + mon.max_frames
         assert mon.step_index == 199
         with torch.no_grad():
@@ -887,7 +887,7 @@ def test_a_new_monitor_replaces_one_that_has_reported():
     hooks = sum(len(m._forward_hooks) for m in model.modules())
     second = NumericsMonitor(model)  # first is still watching (a caught error), yet it reported
     assert sum(len(m._forward_hooks) for m in model.modules()) == hooks
-    assert not first._active and second._active
+    assert not first._hooks.active and second._hooks.active
     second.close()
     assert not any(m._forward_hooks for m in model.modules())
 

@@ -165,7 +165,7 @@ def test_an_output_changed_in_place_is_labelled_then_measured_at_once(tmp_path, 
             model(torch.randn(8, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
-        assert mon._infos[id(model.bn)].at_once and not mon._infos[id(model.lin)].at_once
+        assert mon._watched.infos[id(model.bn)].at_once and not mon._watched.infos[id(model.lin)].at_once
     trace = [json.loads(x) for x in Path("torchdoctor-trace-rank0.jsonl").read_text().splitlines()]
     bn = {f["step"]: f for f in trace if f["module"] == "bn" and f["phase"] == "fwd"}
     out0 = next(s for s in bn[0]["slots"] if s["slot"] == "output")
@@ -267,7 +267,7 @@ def test_an_in_place_mask_by_the_code_around_a_module_never_stops_the_run(tmp_pa
             model(torch.randn(4, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
-        assert mon.step_index == 3 and mon._infos[id(model.score)].at_once
+        assert mon.step_index == 3 and mon._watched.infos[id(model.score)].at_once
     trace = [json.loads(x) for x in Path("torchdoctor-trace-rank0.jsonl").read_text().splitlines()]
     out = next(s for f in trace if f["module"] == "score" for s in f["slots"] if s["slot"] == "output")
     assert out["abs_max"] == "inf" and out["scope"] == "measured after an in-place change"  # shown, not judged
@@ -347,8 +347,8 @@ def test_waiting_forward_calls_stay_bounded_and_in_order(tmp_path, monkeypatch):
     model = Loop()
     waiting = []
     with NumericsMonitor(model, trace_steps=[0]) as mon:
-        model.lin.register_forward_hook(lambda *a: waiting.append(len(mon._rec.calls)))
-        model.big.register_forward_hook(lambda *a: waiting.append(mon._rec.call_elements))
+        model.lin.register_forward_hook(lambda *a: waiting.append(len(mon._recorder.rec.calls)))
+        model.big.register_forward_hook(lambda *a: waiting.append(mon._recorder.rec.call_elements))
         model(torch.randn(2, 4))
     assert max(waiting[:-1]) <= CALLS_WAITING and waiting[-1] < stats.WINDOW_ELEMENTS
     frames = [json.loads(x) for x in Path("torchdoctor-trace-rank0.jsonl").read_text().splitlines()]
@@ -417,7 +417,7 @@ def test_a_forward_in_another_thread_is_measured_in_its_hooks(tmp_path, monkeypa
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     waiting = []
     with NumericsMonitor(model, trace_steps=[0, 1]) as mon:
-        model[1].register_forward_hook(lambda *a: waiting.append(len(mon._rec.calls)))
+        model[1].register_forward_hook(lambda *a: waiting.append(len(mon._recorder.rec.calls)))
         worker = threading.Thread(target=lambda: model(torch.randn(2, 4)).sum())
         worker.start()
         worker.join()
@@ -472,7 +472,7 @@ def test_a_call_with_a_tensor_no_window_takes_is_measured_before_the_code_after_
     model = Wide()
     waiting = []
     with pytest.raises(NonFiniteError) as exc, NumericsMonitor(model) as mon:
-        model.lin.register_forward_hook(lambda *a: waiting.append(len(mon._rec.calls)))
+        model.lin.register_forward_hook(lambda *a: waiting.append(len(mon._recorder.rec.calls)))
         with torch.no_grad():
             model.lin.bias[0] = -float("inf")
         model(torch.randn(1, 8))
@@ -497,9 +497,9 @@ def test_a_steps_slots_are_left_untracked_by_the_garbage_collector(grads):
             opt.step()
             opt.zero_grad()
         model(**batch).loss.backward()
-        mon._rec.settle()
-        slots = [s for f in mon._rec.frames for s in f.slots]
-        kept = [s for rec in mon._history for f in rec.frames for s in (*f.slots, *(f.weights or ()))]
+        mon._recorder.rec.settle()
+        slots = [s for f in mon._recorder.rec.frames for s in f.slots]
+        kept = [s for rec in mon._steps.history.records for f in rec.frames for s in (*f.slots, *(f.weights or ()))]
         gc.collect()
         tracked = [s for s in slots + kept if gc.is_tracked(s)]
         opt.step()

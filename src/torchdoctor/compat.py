@@ -26,15 +26,19 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections import deque
 from enum import Enum
+from typing import Any
 
 from torch import nn
 
 from .numerics.explain.render import PREFIX, format_frame, hf_header
 from .numerics.explain.report import build_report
+from .numerics.judge.history import resolved
+from .numerics.judge.steps import Steps
 from .numerics.monitor import NumericsMonitor
 from .numerics.overflow import detect_overflow
 from .numerics.record.frames import ResolvedFrame
@@ -79,7 +83,9 @@ class DebugUnderflowOverflow:
         self.trace_batch_nums = list(trace_batch_nums or [])
         self.abort_after_batch_num = abort_after_batch_num
         frames = sys.maxsize if max_frames_to_save is None else max_frames_to_save
-        self._engine = _HFEngine(self, model, max_frames=frames)
+        # the monitor with transformers' step boundary (the root's forward) and transformers' printing
+        self._engine = NumericsMonitor(model, grads="none", max_frames=frames, _hf=True,
+                                       _steps=functools.partial(_HFSteps, self))
 
     @property
     def batch_number(self) -> int:
@@ -97,12 +103,12 @@ class DebugUnderflowOverflow:
         self.remove()
 
 
-class _HFEngine(NumericsMonitor):
-    """The monitor with transformers' step boundary (root forward) and transformers' printing."""
+class _HFSteps(Steps):
+    """The monitor's steps as transformers counts and prints them: a batch is one call of the root module."""
 
-    def __init__(self, owner: DebugUnderflowOverflow, model: nn.Module, max_frames: int) -> None:
+    def __init__(self, owner: DebugUnderflowOverflow, **parts: Any) -> None:
+        super().__init__(**parts)
         self._owner = owner
-        super().__init__(model, grads="none", max_frames=max_frames, _hf=True)
 
     def _tag(self, text: str) -> str:
         if self.rank is None:
@@ -130,47 +136,47 @@ class _HFEngine(NumericsMonitor):
             lines.insert(0, start)
         return "\n".join(lines)
 
-    def _close_step(self, source: str, abort_check: bool = True) -> None:
+    def close_step(self, source: str, abort_check: bool = True, advance: bool = True) -> None:
         """A batch ended (``source="loose"``: a submodule called on its own ended, and the batch number
         stays, as in transformers, whose counter moves only at the root module)."""
         owner = self._owner
-        batch = self.step_index
+        batch = self.index
         advance = source != "loose"
-        if not self._rec.frames:
+        if not self.recorder.rec.frames:
             return
         if batch in owner.trace_batch_nums:
             # transformers prints each frame as it completes; detection is off in a traced batch
-            for frame in self._resolved([self._rec]):
+            for frame in resolved([self.recorder.rec]):
                 self._overflow_messages(frame)
                 self._print(self._hf_frame(frame))
-            self._history.clear()  # transformers starts its frame buffer afresh after a traced batch
-            self._rotate(advance, keep=False)
+            self.history.clear()  # transformers starts its frame buffer afresh after a traced batch
+            self.rotate(advance, keep=False)
         else:
-            flag = self._rec.activation_flag()
+            flag = self.recorder.rec.activation_flag()
             ok = True if flag is None else bool(flag.item())  # the one host sync
             if not ok:
                 self._dump(batch, root_ran=advance)
                 raise ValueError(_DETECTED)
-            self._rotate(advance)
+            self.rotate(advance)
         if not advance:
             return
-        if owner.abort_after_batch_num is not None and self.step_index > owner.abort_after_batch_num:
+        if owner.abort_after_batch_num is not None and self.index > owner.abort_after_batch_num:
             raise ValueError(
-                f"DebugUnderflowOverflow: aborting after {self.step_index} batches due to"
+                f"DebugUnderflowOverflow: aborting after {self.index} batches due to"
                 f" `abort_after_batch_num={owner.abort_after_batch_num}` arg"
             )
 
-    def _on_root_forward_failed(self) -> None:
+    def root_forward_failed(self) -> None:
         """transformers raises its ValueError from the first bad module's hook, before the forward can
         fail on its own; here the forward's own exception propagates (torch silences ours), so print
         the same report before it."""
-        flag = self._rec.activation_flag()
+        flag = self.recorder.rec.activation_flag()
         if flag is not None and not bool(flag.item()):
-            self._dump(self.step_index, root_ran=False)
+            self._dump(self.index, root_ran=False)
         # else: keep the frames, as transformers keeps them in its buffer
 
     def _dump(self, batch: int, root_ran: bool = True) -> None:
-        frames, _ = self._frames_with_context()  # earlier batches are all finite: search from the start
+        frames, _ = self.history.frames_with(self.recorder.rec)  # earlier batches are all finite: search from the start
         report = build_report(frames, self.max_frames, self.rank)
         assert report is not None and report.first is not None
         index = frames.index(report.frames[-1])
@@ -186,6 +192,6 @@ class _HFEngine(NumericsMonitor):
         self._print(f"torchdoctor diagnosis: {report.diagnosis}")
         if report.fix:
             self._print(f"torchdoctor fix: {report.fix}")
-        self.report = report
+        self.reporter.report = report
         # transformers' counter moved only if the root's hook ran; otherwise the same batch goes on
-        self._after_detection(advance=root_ran, continued=not root_ran)
+        self.after_detection(advance=root_ran, continued=not root_ran)

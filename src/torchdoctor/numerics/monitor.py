@@ -11,18 +11,24 @@ Example usage::
             opt.step()        # the step is checked here, before the update is applied
             opt.zero_grad()
 
-How it stays cheap: every module's forward hook hands its inputs and outputs to a window on their own
-device, reduced to (abs min, abs max) per tensor a few multi-tensor ops at a time (:mod:`.stats`: well under
-one dispatched op per module), and keeps only a host-side description of the call (:mod:`.frames`, recorded
-by :mod:`.recording`). A tensor that was just measured as one module's output and comes in as the next
-module's input is measured once. Parameters and their gradients do not change
-before ``optimizer.step()``, so they are measured only when a report is built; the parameter gradients
-are checked once per step. At the step boundary (:mod:`.stepping`) everything is folded into a single
-on-device flag read with one ``.item()``.
+How it stays cheap: a healthy step is watched at its boundaries (each micro-batch's model outputs, marks, the
+parameter gradients), reduced to (abs min, abs max) per tensor on their own device, and folded into a single
+on-device flag read with one ``.item()`` per step; a step that goes bad is replayed with every module watched.
 
-The machinery around the model is met through an *engine adapter* (:mod:`.engines`): DDP, FSDP1/FSDP2,
-accelerate and the HF Trainer, a DeepSpeed engine at any ZeRO stage. Compiled regions
-(``torch.compile``) are watched at their edges and looked into only when they go bad (:mod:`.compiled`).
+The monitor is the parts below, each owning its state, wired here and handed only what it needs (the data's way:
+hook -> window -> step record -> verdict -> replay -> report; DESIGN.md "The monitor's parts"):
+
+* :class:`~.record.watched.WatchedModel` -- the model met once at the door: the user's module under any wrappers,
+  its modules' names and classes, the engine adapter (:mod:`.engines`: DDP, FSDP1/FSDP2, accelerate, the HF
+  Trainer, DeepSpeed at any ZeRO stage), the compiled regions (:mod:`.record.compiled`), parameters, devices;
+* :class:`~.engines.hookset.HookSet` -- every hook and shadowed method, removed together;
+* :class:`~.record.recorder.Recorder` -- the hooks, and the step's record they write into (:mod:`.record.step`,
+  :mod:`.measure`);
+* :class:`~.judge.steps.Steps` -- when a step ends, its one host read (:class:`~.judge.check.StepCheck`), what
+  is kept of it (:class:`~.judge.history.History`), and carrying out the judge's decision;
+* :class:`~.judge.judging.Judge` -- a bad step's report, agreed across ranks, and what to do with it;
+* :class:`~.judge.replay.Replayer` -- a bad micro-batch run again with every module watched;
+* :class:`~.judge.reporter.Reporter` -- the findings kept and written.
 
 Module *inputs* are shown as context but do not by themselves stop a run (an additive ``-inf``
 attention mask is a legitimate input); outputs, gradients, weights and marks do. After a
@@ -55,39 +61,34 @@ Known limitations:
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import operator
 import os
 import warnings
 import weakref
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 import torch
 from torch import nn
 
-from .engines import MonitorWarning, select_engine
+from .engines import MonitorWarning
+from .engines.hookset import HookSet
 from .engines.scalers import LossScaler, OverflowEvent
-from .engines.wrappers import sharded
-from .explain.causes import GrowthTrail
 from .explain.report import NonFiniteReport
 from .explain.trace import TraceWriter
-from .judge.closures import ClosureSteps
+from .judge.check import StepCheck
 from .judge.headroom import Headroom
-from .judge.judging import Judging
-from .judge.stepping import Stepping
-from .measure.buffers import BufferGuard
+from .judge.history import History
+from .judge.judging import Judge
+from .judge.replay import Replayer
+from .judge.reporter import Reporter
+from .judge.steps import Steps
 from .measure.stats import fused_check_works
 from .measure.windows import window_reduce_works
 from .options import check_options, default_report_dir
-from .record.compiled import Region, Regions
-from .record.frames import ModuleInfo
-from .record.recording import Recording
-from .record.step import StepRecord
-from .record.watched import describe
+from .record.recorder import Recorder
+from .record.watched import WatchedModel
 
 log = logging.getLogger("torchdoctor.numerics")
 
@@ -111,7 +112,7 @@ def mark(tensor: torch.Tensor, label: str) -> None:
     (the one whose forward is in flight; outside a forward, every live one), so it works however the monitor was
     attached -- the library, a Trainer callback, ``torchdoctor run --numerics`` -- and does nothing without one."""
     live = list({id(m): m for m in list(_WATCHED.values()) if not m._closed}.values())
-    running = [m for m in live if m._root_depth > 0 or m._rerunning]
+    running = [m for m in live if m._recorder.root_depth > 0 or m._recorder.rerunning]
     for monitor in running or live:
         monitor.mark(tensor, label)
 
@@ -122,7 +123,7 @@ def _dist_rank_world() -> tuple[int | None, int]:
     return None, 1
 
 
-class NumericsMonitor(Recording, Stepping, Judging):
+class NumericsMonitor:
     """Watch a model for inf/nan in weights, activations and gradients; explain the first one.
 
     Args:
@@ -215,6 +216,7 @@ class NumericsMonitor(Recording, Stepping, Judging):
         stream: TextIO | None = None,
         _hf: bool = False,
         _via: str = "monitor",
+        _steps: Callable[..., Steps] = Steps,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"NumericsMonitor needs an nn.Module, got {type(model).__name__}")
@@ -226,18 +228,15 @@ class NumericsMonitor(Recording, Stepping, Judging):
         )
         if scaler is not None:
             LossScaler(scaler)  # refuses what is not a loss scaler, before anything is attached
-        self._engine = select_engine(model, optimizer, scaler)
-        for text in self._engine.warnings:
+        rank, world = _dist_rank_world()
+        self._watched = watched = WatchedModel(model, optimizer, scaler, world)
+        for text in watched.engine.warnings:
             warnings.warn("torchdoctor: " + text, MonitorWarning, stacklevel=2)
-        self.model = self._engine.root
-        self.optimizer = self._engine.optimizer
-        self._scaler = self._engine.scaler
-        self.scaler = self._scaler.obj if self._scaler is not None else None
-        self.grads = grads
+        self.model = watched.root
+        self.optimizer = watched.optimizer
+        self.scaler = watched.scaler.obj if watched.scaler is not None else None
         self.watch = watch
         self.transient = transient
-        self._headroom = Headroom(operator.index(headroom_every)) if headroom else None
-        self.watching = describe(model, self.optimizer, grads)  # what it watches, in one line (watched.describe)
         self.max_frames = operator.index(max_frames)
         self.trace_steps = traced
         self.abort_after_step = None if abort_after_step is None else operator.index(abort_after_step)
@@ -248,71 +247,40 @@ class NumericsMonitor(Recording, Stepping, Judging):
         self.stream = stream
         self._hf = _hf
         self._via = _via  # how the user attached it: the form of the options the advice names (diagnosis.Setup)
-        rank, world = _dist_rank_world()
         self.rank = rank if world > 1 else None
         self._world = world
-        self._sync_ranks = (world > 1) if sync_ranks is None else (sync_ranks and world > 1)
+        sync = (world > 1) if sync_ranks is None else (sync_ranks and world > 1)
+        self._headroom = Headroom(operator.index(headroom_every)) if headroom else None
 
-        self.step_index = 0
-        self.overflows: list[OverflowEvent] = []
-        self.transients: list[NonFiniteReport] = []
-        self.report: NonFiniteReport | None = None
-        self.warnings: list[NonFiniteReport] = []  # findings the run survives (an inf loss, finite gradients)
-        self._judged_frames = None  # a bad step's resolved frames, while it is judged
-        self._consecutive_overflows = 0
-        self._manual = manual_steps
-        self._optimizer_stepped = False
-        self._closures = ClosureSteps(self._check_closure, self._rewrite_report)
-        # manual steps with an optimizer given: the last step whose optimizer.step() came before its mon.step(), and
-        # whether any did (the check then followed the update: what a report's advice says)
-        self._updated_in: int | None = None
-        self._late_check = False
-        self._tracer = TraceWriter(self.report_dir, self.rank, stream)
-        self._stash: StepRecord | None = None  # the training step, while an evaluation forward records
-        self._deferred_report: NonFiniteReport | None = None  # DDP: an evaluation pass went bad
-        self._root_depth = 0  # root forwards in flight
-        self._root_done = False  # the root's own hook ran (so the always-called hook knows it did not fail)
-        self._forward_pending = False  # forward-bounded steps: a training forward awaits its backward
-        self._forward_start = 0  # index in the step's frames where the current root forward began
-        self._grad_hooks_on = False
-        self._rerunning = False  # a replay (replay.py) is recording
-        self._module_hooks: list[Any] = []  # every module's forward hook, while steps are watched module by module
-        self._live_now = False  # those hooks are in place
-        self._modules: list[tuple[str, nn.Module]] | None = None  # the watched modules (once attached)
-        # modules the loop calls on their own, outside any call of the model (a LightningModule's training_step
-        # calling self.net): watched at their boundaries like the model, once a step showed them (one step watched
-        # every module after a step at the boundaries recorded no call at all)
-        self._entries: dict[int, nn.Module] = {}
-        self._learning_entries = False
-        self._found_entries: dict[int, nn.Module] = {}
-        self._live_default = True  # watched module by module unless a step is traced (decided at attach)
-        self._cuda_devices: tuple[int, ...] = ()  # the GPUs whose RNG state a replay restores
-        self._region_stack: list[tuple[Region, int]] = []  # regions in flight: where their frames begin
-        self._warned_unseen = False  # said once: a step without any recorded forward
-        self._self_bad = False  # this rank's own flags in the step being judged
-        self._measured_params: dict[int, list] = {}  # ZeRO-3: weights measured as their module's forward began
-        self._history: deque[StepRecord] = deque()
-        self._growth = GrowthTrail()  # recent healthy steps' largest values, on the device (divergence)
-        self._buffers: BufferGuard | None = None
-        self._just_reported = False  # a report was made and nothing has run since
-        self._handles: list[Any] = []
-        self._restore: list[tuple[Any, str, Any, Any]] = []
-        self._active = False
-        self._closed = False
-        self._at_exit = False  # the last step is being checked as the with block exits
-        self._regions = Regions(model, self.model)
-        self._new_step()
+        self._hooks = hooks = HookSet()
+        self._recorder = recorder = Recorder(watched, hooks, grads, _hf)
+        history = History(self.max_frames)
+        self._reporter = reporter = Reporter(self.report_dir, self.rank)
+        reporter.watching = watched.describe(grads)  # what it watches, in one line (said fully once attached)
+        check = StepCheck(watched.engine, watched.params, sync)
+        replayer = Replayer(recorder, watched, history, self.max_frames, self.rank, _hf)
+        judge = Judge(watched, recorder, history, replayer, reporter, check, max_frames=self.max_frames,
+                      rank=self.rank, hf=_hf, transient=transient, auto_localize=auto_localize,
+                      min_loss_scale=min_loss_scale, max_consecutive_overflows=max_consecutive_overflows)
+        self._steps = _steps(watched=watched, hooks=hooks, recorder=recorder, history=history, check=check,
+                             judge=judge, replayer=replayer, reporter=reporter, manual=manual_steps,
+                             trace_steps=traced, abort_after_step=self.abort_after_step, max_frames=self.max_frames,
+                             rank=self.rank, hf=_hf, via=_via, headroom=self._headroom,
+                             tracer=TraceWriter(self.report_dir, self.rank, stream), stop=self._stop)
+        recorder.events = self._steps
+        self._judge = judge
+        self._steps.new_step()
         try:
             self._attach()
         except BaseException:
             self.close()  # a refused or failed attach leaves no hook behind
             raise
-        self.watching = describe(model, self.optimizer, grads, self.watch_level, self.headroom_every)
+        reporter.watching = watched.describe(grads, self.watch_level, self.headroom_every)
 
     # ------------------------------------------------------------------ lifecycle
     def _attach(self) -> None:
-        engine = self._engine
-        modules = list(engine.modules())
+        watched, recorder, steps, hooks = self._watched, self._recorder, self._steps, self._hooks
+        modules = watched.modules
         for old in {id(o): o for _, m in modules if (o := _WATCHED.get(m)) is not None}.values():
             if old._replaceable_by(self):
                 log.info("torchdoctor: a new monitor on this model replaces the previous one")
@@ -323,49 +291,84 @@ class NumericsMonitor(Recording, Stepping, Judging):
                 f"{len(taken)} module(s) of this model are already watched by another monitor "
                 f"(e.g. {', '.join(taken[:3])}); close() it first -- hooks are never doubled"
             )
-        self._infos: dict[int, ModuleInfo] = {}
-        self._params = engine.trainable()
-        devices = {p.device for p in self._params if p.device.type != "meta"} | {torch.device("cpu")}
-        for device in devices:  # (inputs and losses may be on the CPU when the model is not)
+        for device in watched.devices:  # (inputs and losses may be on the CPU when the model is not)
             # their host syncs here, at attach time, never inside a step
             if device.type != "cpu":
                 fused_check_works(device)
             window_reduce_works(device)
-        self._cuda_devices = tuple(sorted({d.index or 0 for d in devices if d.type == "cuda"}))
-        root_region = self._regions.root
-        self._modules = modules
-        for name, module in modules:
-            is_root = module is self.model and root_region is None
-            info = ModuleInfo(name, engine.class_name(module), weakref.ref(module), is_root=is_root)
-            self._infos[id(module)] = info
+        for _, module in modules:
             _WATCHED[module] = self
-            if is_root:  # the model's own call is watched at every level; the other modules by _set_live
-                self.add_handle(self._hook_module(module, info))
-                if engine.params_at_forward:
-                    self.add_handle(module.register_forward_pre_hook(self._on_pre_forward_params))
-        if root_region is None:
-            self.add_handle(self.model.register_forward_pre_hook(self._on_root_pre_forward, with_kwargs=True))
-            # runs after the root's own hook, and also when the forward raises (then only this one runs)
-            self.add_handle(
-                self.model.register_forward_hook(self._on_root_forward_always, with_kwargs=True, always_call=True)
-            )
-        self._regions.install(self)
         # watched every module where a replay could not be trusted (replay.py): without an optimizer the check comes
         # after the update, when a replay would run on other weights; a model whose forward makes collectives
         # cannot be replayed on one rank
-        self._live_default = self.watch == "every-module" or self._hf or self.optimizer is None \
-            or engine.params_at_forward or (self._world > 1 and sharded(self.model))
-        self._rec.live = self._live_default or self.step_index in self.trace_steps
-        self._set_live(self._rec.live)  # (every later step decides again as it begins: stepping._new_step)
-        engine.install(self)
-        self._buffers = BufferGuard(m for _, m in modules)
-        self._buffers.start()
-        self._active = True
-        if not self._optimizer_hooked() and not self._hf:
-            self._hook_param_grads()
-        engine.attach_grad_watch(self)
+        recorder.live_default = self.watch == "every-module" or self._hf or self.optimizer is None \
+            or watched.engine.params_at_forward or watched.sharded
+        # (every later step decides again as it begins: Steps.new_step)
+        recorder.attach(recorder.live_default or steps.index in self.trace_steps)
+        watched.engine.install(hooks, steps)
+        steps.start()
+        hooks.active = True
+        if not steps.optimizer_hooked() and not self._hf:
+            recorder.hook_param_grads()
+        if recorder.grads != "none":
+            watched.engine.attach_grad_watch(hooks, iter(watched.infos.values()), recorder.receive_param_grad)
         if not self._hf:  # transformers reports broken weights in the first forward's frames instead
-            self._check_weights_once()
+            bad = self._judge.check_weights()
+            if bad is not None:
+                steps.raise_(bad)
+
+    # ------------------------------------------------------------------ what it found, what it watches
+    @property
+    def step_index(self) -> int:
+        """The step under way, counted from 0 (transformers' batch numbers)."""
+        return self._steps.index
+
+    @property
+    def grads(self) -> str:
+        return self._recorder.grads
+
+    @grads.setter
+    def grads(self, value: str) -> None:
+        self._recorder.grads = value
+
+    @property
+    def report(self) -> NonFiniteReport | None:
+        return self._reporter.report
+
+    @report.setter
+    def report(self, value: NonFiniteReport | None) -> None:
+        self._reporter.report = value
+
+    @property
+    def warnings(self) -> list[NonFiniteReport]:
+        return self._reporter.warnings
+
+    @warnings.setter
+    def warnings(self, value: list[NonFiniteReport]) -> None:
+        self._reporter.warnings = value  # (a Trainer callback's list, one for the whole of train() / fit())
+
+    @property
+    def overflows(self) -> list[OverflowEvent]:
+        return self._reporter.overflows
+
+    @property
+    def transients(self) -> list[NonFiniteReport]:
+        return self._reporter.transients
+
+    @property
+    def watching(self) -> str:
+        """What it watches, in one line: ``GPT2LMHeadModel (124M params) with AdamW, DDP, grads=params, ...``."""
+        return self._reporter.watching
+
+    @watching.setter
+    def watching(self, value: str) -> None:
+        self._reporter.watching = value
+
+    @property
+    def via(self) -> str:
+        """How it was attached: ``monitor`` (``NumericsMonitor(...)``), ``hf`` / ``lightning`` (a callback),
+        ``switch`` (``torchdoctor run --numerics``)."""
+        return self._via
 
     @property
     def headroom_events(self) -> list:
@@ -380,53 +383,37 @@ class NumericsMonitor(Recording, Stepping, Judging):
     def watch_level(self) -> str:
         """The level healthy steps are watched at: ``watch``, unless the model or the setup needs every module
         (no optimizer, collectives in the forward, compat mode)."""
-        return "every-module" if self._live_default else "boundaries"
+        return "every-module" if self._recorder.live_default else "boundaries"
 
-    def _hook_module(self, module: nn.Module, info: ModuleInfo) -> Any:
-        return module.register_forward_hook(functools.partial(self._on_forward, info), with_kwargs=True)
+    @property
+    def _closed(self) -> bool:
+        return self._hooks.closed
 
-    def _set_live(self, on: bool) -> None:
-        """Watch every module's call as it runs (``on``), or only the model's own call; the current step's record
-        says which (a step checked at its boundaries is replayed when it goes bad)."""
-        if on == self._live_now or self._closed:
-            return
-        self._live_now = on
-        if not on:
-            for h in self._module_hooks:
-                h.remove()
-            self._module_hooks = []
-            return
-        at_forward = self._engine.params_at_forward
-        for _, module in self._modules:
-            info = self._infos[id(module)]
-            if info.is_root or id(module) in self._entries:
-                continue  # hooked for good
-            self._module_hooks.append(self._hook_module(module, info))
-            if at_forward:
-                self._module_hooks.append(module.register_forward_pre_hook(self._on_pre_forward_params))
+    # ------------------------------------------------------------------ steps and marks
+    def step(self) -> None:
+        """End a training step by hand: check it, then start the next. With an optimizer given, call it before
+        ``optimizer.step()`` (and ``zero_grad()``): a bad step then raises before its update is applied."""
+        self._steps.step()
 
-    def _add_entries(self, found: dict[int, nn.Module]) -> None:
-        """Watch these modules at their boundaries from now on (they are called outside any call of the model)."""
-        for key, module in found.items():
-            info = self._infos.get(key)
-            if info is None or info.is_root or key in self._entries:
-                continue
-            self._entries[key] = module
-            self.add_handle(self._hook_module(module, info))
-            self.add_handle(module.register_forward_pre_hook(self._on_entry_pre_forward, with_kwargs=True))
+    def mark(self, tensor: torch.Tensor, ctx: str) -> None:
+        """Add a frame for an intermediate value, in execution order, without a host sync."""
+        self._recorder.mark(tensor, ctx)
 
-    @contextlib.contextmanager
-    def _live_hooks(self) -> Iterator[None]:
-        """Every module watched, module-level gradients included, for a replay; as before after it."""
-        was_live, grads = self._live_now, self.grads
-        self._set_live(True)
-        self.grads = "modules"
-        try:
-            yield
-        finally:
-            self.grads = grads
-            if not was_live:
-                self._set_live(False)
+    # (the engine's hooks, kept under their names: what an optimizer or a loss scaler calls)
+    def on_pre_step_hook(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        return self._steps.on_pre_step_hook(optimizer, args, kwargs)
+
+    def on_pre_step(self, *args: Any, **kwargs: Any) -> tuple[tuple, dict] | None:
+        return self._steps.on_pre_step(*args, **kwargs)
+
+    def on_post_step(self, *args: Any, **kwargs: Any) -> None:
+        self._steps.on_post_step(*args, **kwargs)
+
+    def on_scaler_update(self, *args: Any, **kwargs: Any) -> None:
+        self._steps.on_scaler_update(*args, **kwargs)
+
+    def on_zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        self._steps.on_zero_grad(*args, **kwargs)
 
     def _replaceable_by(self, new: NumericsMonitor) -> bool:
         """A detector made again on the same model (``Trainer.train()`` twice) replaces the previous one;
@@ -437,58 +424,27 @@ class NumericsMonitor(Recording, Stepping, Judging):
         """Attached from inside the first ``optimizer.step()`` (``torchdoctor run --numerics``): that step's forward
         ran before the monitor existed, so it has no frames to expect; its gradients are still checked before its
         update is applied."""
-        self._warned_unseen = True
+        self._steps.warned_unseen = True
 
     def add_handle(self, handle: Any) -> None:
         """Keep a hook handle; close() removes it."""
-        self._handles.append(handle)
+        self._hooks.add(handle)
 
     def wrap(self, obj: Any, attr: str, before: Any, after: Any = None) -> None:
         """Shadow ``obj.attr`` with an instance attribute that calls ``before(*args, **kwargs)`` first
         (and ``after`` once it returned); undone by close(). Both are no-ops once this monitor is closed."""
-        original = getattr(obj, attr)
-
-        @functools.wraps(original)  # keeps what wrappers set on it (LR schedulers' _wrapped_by_lr_sched)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            replaced = before(*args, **kwargs)
-            if replaced is not None:  # new (args, kwargs), as a torch step pre-hook may return
-                args, kwargs = replaced
-            out = original(*args, **kwargs)
-            if after is not None:
-                after(*args, **kwargs)
-            return out
-
-        previous = obj.__dict__.get(attr)
-        wrapper._torchdoctor_previous = previous  # type: ignore[attr-defined]
-        wrapper._torchdoctor_owner = weakref.ref(self)  # type: ignore[attr-defined]
-        self._restore.append((obj, attr, previous, wrapper))
-        setattr(obj, attr, wrapper)
+        self._hooks.wrap(obj, attr, before, after)
 
     def close(self) -> None:
         """Remove every hook (safe to call twice) and close the trace file.
 
         Leaving a ``with`` block without an exception also checks the last, still open step.
         """
-        self._active = False
-        self._closed = True
-        for h in self._handles + self._module_hooks:
-            h.remove()
-        self._handles = []
-        self._module_hooks = []
-        self._live_now = False
-        for obj, attr, old, wrapper in reversed(self._restore):
-            if obj.__dict__.get(attr) is not wrapper:
-                continue  # wrapped again by someone else since: leave theirs, ours is now a pass-through
-            while hasattr(old, "_torchdoctor_owner") and not getattr(old._torchdoctor_owner(), "_active", False):
-                old = old._torchdoctor_previous  # skip wrappers of monitors closed in the meantime
-            if old is None:
-                obj.__dict__.pop(attr, None)
-            else:
-                setattr(obj, attr, old)
-        self._restore = []
-        self._regions.close()
+        self._hooks.close()
+        self._recorder.close()
+        self._watched.regions.close()
         self._release_modules()
-        self._tracer.close()
+        self._steps.tracer.close()
 
     remove = close
 
@@ -506,17 +462,20 @@ class NumericsMonitor(Recording, Stepping, Judging):
         """Check the last, still open step. A detection here is raised by the ``with`` statement itself, so a
         ``try`` inside the block cannot see it: put the ``try`` around the ``with`` (the report says so)."""
         try:
-            open_step = not self._rec.empty or self._deferred_report is not None
-            if exc_type is None and self._active and (open_step or self._sync_ranks):
-                self._at_exit = True
-                self._close_step("final", advance=open_step)  # (an empty step shared under DDP: not counted)
+            if exc_type is None:
+                self._steps.exit_check()
         finally:
-            self._at_exit = False
             self.close()
 
     def __del__(self) -> None:  # pragma: no cover - best effort
-        if getattr(self, "_active", False):
+        hooks = getattr(self, "_hooks", None)
+        if hooks is not None and hooks.active:
             self.close()
+
+    def _stop(self) -> None:
+        """The run is over: stop checking and let a new monitor attach (inert hooks go at close())."""
+        self._hooks.active = False
+        self._release_modules()
 
     def _release_modules(self) -> None:
         for module in list(_WATCHED.keys()):

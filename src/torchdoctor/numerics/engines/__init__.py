@@ -11,18 +11,20 @@ from typing import Any
 
 from torch import nn
 
-from .base import Engine, torch_optimizer
-from .deepspeed import DeepSpeedEngine, is_deepspeed
+from .base import Engine, StepHooks, torch_optimizer
+from .deepspeed import DeepSpeedEngine, deepspeed_engine_of, is_deepspeed
 
 
 class MonitorWarning(UserWarning):
     """Something the monitor cannot do for this model or optimizer (said once, when it attaches)."""
 
 
-def select_engine(model: nn.Module, optimizer: Any, scaler: Any) -> Engine:
-    if is_deepspeed(model, optimizer):
-        return DeepSpeedEngine(model, optimizer, scaler)
-    return Engine(model, optimizer, scaler)
+def select_engine(chain: list[nn.Module], optimizer: Any, scaler: Any) -> Engine:
+    """The adapter for a model seen through its wrappers (:func:`~.wrappers.wrapper_chain`: the model as given,
+    each wrapper, the user's module last)."""
+    if is_deepspeed(chain, optimizer):
+        return DeepSpeedEngine(chain[-1], deepspeed_engine_of(chain), optimizer, scaler)
+    return Engine(chain[-1], optimizer, scaler)
 
 
-__all__ = ["DeepSpeedEngine", "Engine", "MonitorWarning", "select_engine", "torch_optimizer"]
+__all__ = ["DeepSpeedEngine", "Engine", "MonitorWarning", "StepHooks", "select_engine", "torch_optimizer"]

@@ -2,7 +2,8 @@
 
 An engine adapter answers, for the machinery around one model, the questions the monitor asks:
 
-* which module is the user's, what its modules are called and of which class (:meth:`Engine.modules`);
+* which module is the user's (handed in already unwrapped: :class:`~..record.watched.WatchedModel` walks the
+  wrappers once), what its modules are called and of which class (:meth:`Engine.modules`);
 * where a training step ends and how to check it *before* the update (:meth:`Engine.install`);
 * which gradients are about to be applied (:meth:`Engine.grad_flags`);
 * which loss scaler is in play (:meth:`Engine.loss_scaler`);
@@ -20,19 +21,17 @@ from __future__ import annotations
 import logging
 import operator
 import sys
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ..measure.stats import FLAT_ELEMENTS, finite_flags_of, flatten_dense
 from ..measure.windows import cpu_paths
+from .hookset import HookSet
 from .scalers import LossScaler
-from .wrappers import clean_name, named_user_modules, unwrap_model, user_class_name
-
-if TYPE_CHECKING:
-    from ..monitor import NumericsMonitor
+from .wrappers import clean_name, user_class_name, user_modules
 
 log = logging.getLogger("torchdoctor.numerics")
 _grad = operator.attrgetter("grad")
@@ -61,24 +60,40 @@ def torch_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
+class StepHooks(Protocol):
+    """What an engine calls around the optimizer's step and the loss scaler (the monitor's step logic:
+    :class:`~..judge.steps.Steps`)."""
+
+    def on_pre_step_hook(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None: ...
+    def on_pre_step(self, *args: Any, **kwargs: Any) -> tuple[tuple, dict] | None: ...
+    def on_post_step(self, *args: Any, **kwargs: Any) -> None: ...
+    def on_zero_grad(self, *args: Any, **kwargs: Any) -> None: ...
+    def on_scaler_update(self, *args: Any, **kwargs: Any) -> None: ...
+
+
+#: ``receive(module info, "grad:<name>", gradient)``: a parameter received its gradient in the backward.
+GradReceiver = Callable[[Any, str, torch.Tensor], None]
+
+
 class Engine:
-    """A model trained by a torch optimizer, under any wrapper that only forwards the call."""
+    """A model trained by a torch optimizer, under any wrapper that only forwards the call. ``root``: the user's
+    module, already unwrapped."""
 
     kind = "plain"
     params_at_forward = False  # parameters are measured when a report is built, not during the step
     grads_at_report = True  # parameter gradients (p.grad) still exist when the step is checked
 
-    def __init__(self, model: nn.Module, optimizer: Any, scaler: Any) -> None:
+    def __init__(self, root: nn.Module, optimizer: Any, scaler: Any) -> None:
         self._flat_for: list | None = None  # the parameter list _flat_plan decided for
         self._flat = False
-        self.root = unwrap_model(model)
+        self.root = root
         self.warnings: list[str] = []
         self.optimizer = self._hookable(optimizer)
         self.scaler = self.loss_scaler(scaler)
 
     # ------------------------------------------------------------------ names
     def modules(self) -> Iterator[tuple[str, nn.Module]]:
-        return named_user_modules(self.root)
+        return user_modules(self.root)
 
     @staticmethod
     def class_name(module: nn.Module) -> str:
@@ -107,26 +122,27 @@ class Engine:
         )
         return None
 
-    def install(self, mon: NumericsMonitor) -> None:
+    def install(self, hooks: HookSet, steps: StepHooks) -> None:
         """Check each step before the update: the optimizer's step pre-hook (or a wrapper around its
         ``step`` when it has no hooks), and notice steps a loss scaler skipped."""
         opt = self.optimizer
         if opt is not None:
             if hasattr(opt, "_optimizer_step_pre_hooks"):
-                mon.add_handle(opt.register_step_pre_hook(eager(mon.on_pre_step_hook)))
-                mon.add_handle(opt.register_step_post_hook(eager(mon.on_post_step)))
+                hooks.add(opt.register_step_pre_hook(eager(steps.on_pre_step_hook)))
+                hooks.add(opt.register_step_post_hook(eager(steps.on_post_step)))
             else:
                 log.info("%s has no step hooks: wrapping its step() instead", type(opt).__name__)
-                mon.wrap(opt, "step", before=eager(mon.on_pre_step), after=eager(mon.on_post_step))
+                hooks.wrap(opt, "step", before=eager(steps.on_pre_step), after=eager(steps.on_post_step))
             if self.scaler is None and callable(getattr(opt, "zero_grad", None)):
-                mon.wrap(opt, "zero_grad", before=eager(mon.on_zero_grad))
+                hooks.wrap(opt, "zero_grad", before=eager(steps.on_zero_grad))
         if self.scaler is not None:
-            mon.wrap(self.scaler.obj, self.scaler.hook_name, before=eager(mon.on_scaler_update))
+            hooks.wrap(self.scaler.obj, self.scaler.hook_name, before=eager(steps.on_scaler_update))
 
     skips_overflow = False  # does the optimizer itself skip a step whose gradients overflowed?
 
-    def attach_grad_watch(self, mon: NumericsMonitor) -> None:
-        """Engines whose gradients are gone before the step check them as they arrive (none here)."""
+    def attach_grad_watch(self, hooks: HookSet, infos: Iterator[Any], receive: GradReceiver) -> None:
+        """Engines whose gradients are gone before the step check them as they arrive (none here): ``receive`` each
+        gradient a parameter of one of ``infos``' modules receives."""
 
     def grad_flags(self, params: list[nn.Parameter], exact: bool = True) -> list[torch.Tensor]:
         """On-device "finite" flags of the gradients the optimizer is about to apply (this rank's part);

@@ -31,32 +31,27 @@ What the monitor needs, and where DeepSpeed (0.14 - 0.19) keeps it:
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 from torch import nn
 
-from .base import Engine, eager
+from .base import Engine, GradReceiver, StepHooks, eager
+from .hookset import HookSet
 from .scalers import LossScaler
-
-if TYPE_CHECKING:
-    from ..monitor import NumericsMonitor
 
 
 def _from_deepspeed(obj: Any) -> bool:
     return type(obj).__module__.startswith("deepspeed.")
 
 
-def deepspeed_engine_of(model: Any) -> Any:
-    """The DeepSpeedEngine in ``model``'s wrapper chain (or None)."""
-    for _ in range(8):
+def deepspeed_engine_of(chain: list[nn.Module]) -> Any:
+    """The DeepSpeedEngine among a model's wrappers (:func:`~.wrappers.wrapper_chain`), or None."""
+    for model in chain:
         if type(model).__name__ in ("DeepSpeedEngine", "PipelineEngine", "DeepSpeedHybridEngine") and _from_deepspeed(
             model
         ):
             return model
-        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
-        if not isinstance(inner, nn.Module):
-            return None
-        model = inner
     return None
 
 
@@ -71,21 +66,20 @@ def deepspeed_optimizer_of(optimizer: Any) -> Any:
     return None
 
 
-def is_deepspeed(model: Any, optimizer: Any) -> bool:
-    if deepspeed_engine_of(model) is not None or deepspeed_optimizer_of(optimizer) is not None:
+def is_deepspeed(chain: list[nn.Module], optimizer: Any) -> bool:
+    if deepspeed_engine_of(chain) is not None or deepspeed_optimizer_of(optimizer) is not None:
         return True
-    return any(hasattr(p, "ds_id") for p in model.parameters())  # ZeRO-3 parameters without their engine
+    return any(hasattr(p, "ds_id") for p in chain[-1].parameters())  # ZeRO-3 parameters without their engine
 
 
 class DeepSpeedEngine(Engine):
     kind = "deepspeed"
 
-    def __init__(self, model: nn.Module, optimizer: Any, scaler: Any) -> None:
-        engine = deepspeed_engine_of(model)
+    def __init__(self, root: nn.Module, engine: Any, optimizer: Any, scaler: Any) -> None:
         if optimizer is None and engine is not None:
             optimizer = engine.optimizer
         self._scaler_given = scaler is not None
-        super().__init__(model, optimizer, scaler)
+        super().__init__(root, optimizer, scaler)
         self.params_at_forward = any(hasattr(p, "ds_id") for p in self.root.parameters())  # ZeRO-3
         self.grads_at_report = False  # p.grad is gone by the step: gradients are measured as they arrive
 
@@ -108,21 +102,18 @@ class DeepSpeedEngine(Engine):
         """DeepSpeed's optimizer skips a step whose gradients overflowed when its own scale is dynamic."""
         return self.scaler is not None and not self._scaler_given
 
-    def install(self, mon: NumericsMonitor) -> None:
+    def install(self, hooks: HookSet, steps: StepHooks) -> None:
         if self.optimizer is not None:
-            mon.wrap(self.optimizer, "step", before=eager(mon.on_pre_step), after=eager(mon.on_post_step))
+            hooks.wrap(self.optimizer, "step", before=eager(steps.on_pre_step), after=eager(steps.on_post_step))
         if self._scaler_given and self.scaler is not None:  # a scaler passed by hand is hooked as usual
-            mon.wrap(self.scaler.obj, self.scaler.hook_name, before=eager(mon.on_scaler_update))
+            hooks.wrap(self.scaler.obj, self.scaler.hook_name, before=eager(steps.on_scaler_update))
 
     def grad_flags(self, params: list[nn.Parameter], exact: bool = True) -> list:
         return []  # each gradient is checked as its parameter receives it (attach_grad_watch)
 
-    def attach_grad_watch(self, mon: NumericsMonitor) -> None:
-        if mon.grads == "none":
-            return
-        for info in mon._infos.values():
+    def attach_grad_watch(self, hooks: HookSet, infos: Iterator[Any], receive: GradReceiver) -> None:
+        for info in infos:
             module = info.module()
             for name, p in module.named_parameters(recurse=False) if module is not None else ():
                 if p.requires_grad:
-                    hook = functools.partial(mon._on_param_grad_received, info, "grad:" + name)
-                    mon.add_handle(p.register_hook(hook))
+                    hooks.add(p.register_hook(functools.partial(receive, info, "grad:" + name)))

@@ -56,6 +56,15 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def wrapper_chain(model: nn.Module) -> list[nn.Module]:
+    """``model``, each wrapper inside it, and last the user's module: the one walk through the wrappers that a
+    monitor makes when it attaches (:class:`~..record.watched.WatchedModel`), so nothing after it unwraps again."""
+    chain = [model]
+    while is_wrapper(chain[-1]):
+        chain.append(_inner(chain[-1]))
+    return chain
+
+
 def clean_name(name: str) -> str:
     """A qualified name without the wrappers' own segments (``blocks.0._fsdp_wrapped_module.fc1`` ->
     ``blocks.0.fc1``)."""
@@ -76,7 +85,13 @@ def user_class_name(module: nn.Module) -> str:
 
 def named_user_modules(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """``root.named_modules()`` as the user wrote the model: wrappers skipped, names cleaned."""
-    for name, module in unwrap_model(root).named_modules():
+    return user_modules(unwrap_model(root))
+
+
+def user_modules(user_root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """:func:`named_user_modules` of a module already unwrapped (the wrappers inside it, FSDP1's per-unit ones,
+    skipped)."""
+    for name, module in user_root.named_modules():
         if not is_wrapper(module):
             yield clean_name(name), module
 

@@ -22,29 +22,28 @@ state computed finite values, a transient fault of the device or a kernel. A com
 from __future__ import annotations
 
 import contextlib
-import socket
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...units import human_bytes
-from ..engines.wrappers import sharded
 from ..explain import causes
 from ..explain.consumers import backward_consumer
+from ..explain.diagnosis import Setup
 from ..explain.report import NonFiniteReport, build_report
 from ..measure.buffers import saved_buffers
 from ..measure.slots import output_slots
 from ..record import calls as kept  # (its bound read when used: a test scales it down)
 from ..record.calls import RootCall, changed_input
 from ..record.frames import BWD, FWD, MARK, ResolvedFrame, measure_now
+from ..record.recorder import Recorder
 from ..record.step import StepRecord
-
-if TYPE_CHECKING:
-    from ..monitor import NumericsMonitor
+from ..record.watched import WatchedModel
+from .history import History, resolved
 
 REPRODUCED, NOT_REPRODUCED, NOT_REPLAYED = "reproduced", "not reproduced", "not replayed"
 
@@ -104,43 +103,6 @@ def _as_the_call_ran(model: nn.Module, call: RootCall) -> Iterator[None]:
             model.forward = forward_now
 
 
-def replay_call(mon: NumericsMonitor, call: RootCall, backward: bool, failed: bool = False) -> list[ResolvedFrame]:
-    """Replay one call with every module watched, into the monitor's current (fresh) record; the frames it saw,
-    with the parameter gradients the replayed backward computed (measured now, module by module in backward
-    order, as a report at ``"params"`` shows them). State is put back. ``failed``: the call raised; so does its
-    replay, and the frames before the exception are what it shows."""
-    model = call.module
-    grads = None
-    with mon._live_hooks(), saved_buffers(mon.model.buffers()), _as_the_call_ran(model, call), \
-            _eager_everywhere(), _NoCollectives():
-        if not backward:
-            with torch.no_grad():
-                try:
-                    model._call_impl(*call.args, **call.kwargs)
-                except CollectiveInReplay:
-                    raise
-                except Exception:
-                    if not failed:
-                        raise
-        else:
-            with torch.enable_grad():
-                out = model._call_impl(*call.args, **call.kwargs)
-            outs, seeds = [], []
-            for label, v in output_slots(out):
-                g = call.output_grads.get(label)
-                if g is not None and isinstance(v, torch.Tensor) and v.requires_grad:
-                    outs.append(v)
-                    seeds.append(g)
-            params = [(info, n, p) for info in mon._infos.values() if (m := info.module()) is not None
-                      for n, p in m.named_parameters(recurse=False) if p.requires_grad]
-            if outs and params:
-                grads = torch.autograd.grad(outs, [p for _, _, p in params], seeds, allow_unused=True)
-    frames = mon._resolved([mon._rec])
-    if grads is not None:
-        frames += _param_grad_frames(mon.step_index, params, grads, frames)
-    return frames
-
-
 def _param_grad_frames(step: int, params: list, grads: tuple, frames: list[ResolvedFrame]) -> list[ResolvedFrame]:
     """The replayed backward's parameter gradients as frames of their modules, in backward order (the reverse of
     the replayed forward's)."""
@@ -185,22 +147,6 @@ def _settled(report: NonFiniteReport, status: str, reason: str | None = None) ->
     return report
 
 
-def _unreplayed(mon: NumericsMonitor, report: NonFiniteReport, coarse: bool, reason: str) -> NonFiniteReport:
-    """A step that could not be replayed. ``coarse``: it was checked at its boundaries, so say what its frames show
-    (the model's output, a parameter gradient) and no more -- no module inside the model was watched, so none is
-    claimed finite."""
-    report.notes.append(f"Not replayed: {reason}.")
-    first = report.first
-    if coarse and first is not None and first.phase == FWD:
-        report.diagnosis = (
-            f"the model's {first.slot} was {first.value}. This step was checked at its boundaries (the model's "
-            "outputs and the parameter gradients) and could not be replayed, so which module made it is unknown.")
-        report.fix = (f"{mon._setup().option('watch', 'every-module')} watches every module as it runs (and names it "
-                      "the next time); or add torchdoctor.mark(x, 'name') calls inside the model's forward")
-        report.cause, report.fp32_region, report.evidence, report.cited = causes.UNLOCALIZED, None, (), []
-    return _settled(report, NOT_REPLAYED, reason)
-
-
 def _marked_after_the_call(frames: list[ResolvedFrame], start: int, position: int, calls: list[RootCall]) -> bool:
     """Is the first bad frame a value marked after the model's call returned (a loss computed from its outputs)?"""
     bad = frames[start + position]
@@ -208,93 +154,6 @@ def _marked_after_the_call(frames: list[ResolvedFrame], start: int, position: in
         return False
     call = next((c for c in reversed(calls) if c.start <= position), None)
     return call is not None and any(f.root and f.phase == FWD for f in frames[start + call.start:start + position])
-
-
-def localize(mon: NumericsMonitor, rec: StepRecord, report: NonFiniteReport, frames: list[ResolvedFrame], start: int,
-             judge_params: bool) -> NonFiniteReport:
-    """Look inside the step (``rec``) that went bad when it was not watched module by module
-    (``watch="boundaries"``), or when its first bad value is where compiled code hid what happened: replay the
-    micro-batch and return the report of what the replay shows, or this one, saying why not (``report.replay``)."""
-    position = report.position
-    backward = report.first is not None and report.first.phase == BWD
-    compiled = bool(mon._regions) and _compiled_edge(frames, start + position, backward)
-    if rec.live and not compiled:
-        return _settled(report, NOT_REPLAYED, "every module was watched as the step ran: nothing to replay")
-    if rec is mon._rec and not mon._checked_before_update():  # (an evaluation pass changes no weight)
-        return _unreplayed(mon, report, not rec.live, "this step was checked after its update (mon.step() after "
-                           "optimizer.step()), so a replay would run on other weights than the step did")
-    calls = list(rec.root_calls)
-    if not calls:
-        return _settled(report, NOT_REPLAYED, "no call of the model was recorded in this step")
-    if _marked_after_the_call(frames, start, position, calls):
-        return _settled(report, NOT_REPLAYED, "the first non-finite value was marked after the model's forward "
-                        "returned: the model's outputs were finite, so there is nothing inside it to replay")
-    if mon._world > 1 and sharded(mon.model):
-        return _unreplayed(mon, report, not rec.live, "the model is sharded (FSDP / ZeRO-3): a replay to look "
-                           "inside would make collectives on this rank alone")
-    if backward:
-        bad = _bad_output_grad(calls)
-        if bad is not None:
-            return _loss_gradient_report(mon, report, frames, start, bad, judge_params)
-        todo = [c for c in calls if c.output_grads]
-        if not todo:
-            dropped = next((c.dropped for c in calls if c.dropped), None)
-            bound = human_bytes(kept.GRAD_BYTES_KEPT)
-            reason = (f"the gradient at the model's output ({dropped}) is above the {bound} "
-                      "kept per micro-batch for a replay" if dropped else
-                      "no gradient reached the model's outputs (a backward from a value the monitor does not see)")
-            report.notes.append(f"Not replayed: {reason}; the parameter gradient above is where the step's check "
-                                "found the fault, not where it began.")
-            return _settled(report, NOT_REPLAYED, reason)
-    else:
-        todo = [c for c in calls if c.start <= position][-1:]
-    why_not = [changed_input(c) for c in todo]
-    if all(why_not):
-        return _unreplayed(mon, report, not rec.live, why_not[0])
-    for call, skip in zip(todo, why_not, strict=True):
-        if skip:
-            continue
-        saved, mon._rec, mon._rerunning = mon._rec, StepRecord(live=True), True
-        try:
-            inner = replay_call(mon, call, backward)
-        except CollectiveInReplay as e:
-            return _unreplayed(mon, report, not rec.live, f"the replay was stopped before a collective ({e}): on "
-                               "one rank alone it would wait for the others forever")
-        except Exception as e:  # the replay is a bonus: never let it hide the finding itself
-            return _unreplayed(mon, report, not rec.live, f"the replay raised {type(e).__name__}: {e}")
-        finally:
-            mon._rec, mon._rerunning = saved, False
-        context = frames[: start + call.start]  # earlier micro-batches and steps, then what the replay saw
-        again = build_report(context + inner, mon.max_frames, mon.rank, len(context), mon._hf, judge_params,
-                             mon._growth.read(), mon._setup())
-        if again is None:
-            continue
-        again.position = position  # ranks compare where the value went bad in the step they all ran
-        again.notes.append(_replayed_note(report, again, frames[start + position], compiled, calls, call))
-        return _settled(again, REPRODUCED)
-    return _not_reproduced(mon, report, compiled, backward)
-
-
-def replay_failed_forward(mon: NumericsMonitor, call: RootCall, context: list[ResolvedFrame]) -> NonFiniteReport | None:
-    """A forward checked at its boundaries raised: was a value non-finite before the exception? Replayed (it raises
-    again, under ``no_grad``) with every module watched; the report, or None when the replay saw nothing bad (or
-    could not run: the exception is then the only finding). An out-of-memory error is not replayed."""
-    exc = sys.exc_info()[1]
-    if isinstance(exc, torch.OutOfMemoryError) or changed_input(call) is not None:
-        return None
-    saved, mon._rec, mon._rerunning = mon._rec, StepRecord(live=True), True
-    try:
-        inner = replay_call(mon, call, backward=False, failed=True)
-    except Exception:
-        return None
-    finally:
-        mon._rec, mon._rerunning = saved, False
-    report = build_report(context + inner, mon.max_frames, mon.rank, len(context), mon._hf, setup=mon._setup())
-    if report is not None:
-        report.notes.append("Replayed: the forward was checked at its boundaries and raised; it was run again on the "
-                            "same inputs, RNG state and autocast with every module watched (it raised again).")
-        _settled(report, REPRODUCED)
-    return report
 
 
 def _replayed_note(checked: NonFiniteReport, replayed: NonFiniteReport, bad: ResolvedFrame, compiled: bool,
@@ -312,79 +171,222 @@ def _replayed_note(checked: NonFiniteReport, replayed: NonFiniteReport, bad: Res
                if any(f.step != replayed.step for f in replayed.frames) else ""))
 
 
-def _not_reproduced(mon: NumericsMonitor, report: NonFiniteReport, compiled: bool, backward: bool) -> NonFiniteReport:
-    if compiled:
-        report.notes.append(
-            "The model is compiled (torch.compile). This micro-batch was re-run eagerly on the same inputs (RNG "
-            "state restored) and stayed finite there: the compiled kernels round differently near the dtype's limit "
-            "(or drew other dropout masks). Run this step without torch.compile to see inside."
+class Replayer:
+    """Replays a bad step's micro-batches with every module watched.
+
+    What a replay may read: the kept calls of the step (:class:`~..record.calls.RootCall`: inputs by reference, RNG
+    and autocast state), the watched model's modules and parameters (:class:`~..record.watched.WatchedModel`), the
+    earlier steps kept as context (:class:`~.history.History`). What it may change: only the recorder's record, for the
+    length of the replay (:meth:`~..record.recorder.Recorder.replaying` puts the step's own back); the model's
+    buffers, RNG state, train/eval mode and forward are put back; no ``.grad``, optimizer state or collective.
+    """
+
+    def __init__(self, recorder: Recorder, watched: WatchedModel, history: History, max_frames: int,
+                 rank: int | None, hf: bool = False) -> None:
+        self.recorder = recorder
+        self.watched = watched
+        self.history = history
+        self.max_frames = max_frames
+        self.rank = rank
+        self.hf = hf
+
+    def replay_call(self, call: RootCall, backward: bool, failed: bool = False) -> list[ResolvedFrame]:
+        """Replay one call with every module watched, into a fresh record; the frames it saw, with the parameter
+        gradients the replayed backward computed (measured now, module by module in backward order, as a report at
+        ``"params"`` shows them). State is put back. ``failed``: the call raised; so does its replay, and the frames
+        before the exception are what it shows."""
+        model = call.module
+        grads = None
+        with self.recorder.replaying() as rec, saved_buffers(self.watched.root.buffers()), \
+                _as_the_call_ran(model, call), _eager_everywhere(), _NoCollectives():
+            if not backward:
+                with torch.no_grad():
+                    try:
+                        model._call_impl(*call.args, **call.kwargs)
+                    except CollectiveInReplay:
+                        raise
+                    except Exception:
+                        if not failed:
+                            raise
+            else:
+                with torch.enable_grad():
+                    out = model._call_impl(*call.args, **call.kwargs)
+                outs, seeds = [], []
+                for label, v in output_slots(out):
+                    g = call.output_grads.get(label)
+                    if g is not None and isinstance(v, torch.Tensor) and v.requires_grad:
+                        outs.append(v)
+                        seeds.append(g)
+                params = [(info, n, p) for info in self.watched.infos.values() if (m := info.module()) is not None
+                          for n, p in m.named_parameters(recurse=False) if p.requires_grad]
+                if outs and params:
+                    grads = torch.autograd.grad(outs, [p for _, _, p in params], seeds, allow_unused=True)
+            frames = resolved([rec])
+        if grads is not None:
+            frames += _param_grad_frames(self.recorder.step, params, grads, frames)
+        return frames
+
+    def _report(self, frames: list[ResolvedFrame], start: int, setup: Setup, judge_params: bool = True,
+                trail: bool = True) -> NonFiniteReport | None:
+        return build_report(frames, self.max_frames, self.rank, start, self.hf, judge_params,
+                            self.history.growth.read() if trail else None, setup)
+
+    def _unreplayed(self, report: NonFiniteReport, coarse: bool, reason: str, setup: Setup) -> NonFiniteReport:
+        """A step that could not be replayed. ``coarse``: it was checked at its boundaries, so say what its frames
+        show (the model's output, a parameter gradient) and no more -- no module inside the model was watched, so
+        none is claimed finite."""
+        report.notes.append(f"Not replayed: {reason}.")
+        first = report.first
+        if coarse and first is not None and first.phase == FWD:
+            report.diagnosis = (
+                f"the model's {first.slot} was {first.value}. This step was checked at its boundaries (the model's "
+                "outputs and the parameter gradients) and could not be replayed, so which module made it is unknown.")
+            report.fix = (f"{setup.option('watch', 'every-module')} watches every module as it runs (and names it "
+                          "the next time); or add torchdoctor.mark(x, 'name') calls inside the model's forward")
+            report.cause, report.fp32_region, report.evidence, report.cited = causes.UNLOCALIZED, None, (), []
+        return _settled(report, NOT_REPLAYED, reason)
+
+    def localize(self, rec: StepRecord, report: NonFiniteReport, frames: list[ResolvedFrame], start: int,
+                 judge_params: bool, setup: Setup) -> NonFiniteReport:
+        """Look inside the step (``rec``) that went bad when it was not watched module by module
+        (``watch="boundaries"``), or when its first bad value is where compiled code hid what happened: replay the
+        micro-batch and return the report of what the replay shows, or this one, saying why not (``report.replay``).
+        ``setup.before_update``: the training step is checked before its update (its weights are still those its
+        forward ran with; an evaluation pass changes no weight)."""
+        position = report.position
+        backward = report.first is not None and report.first.phase == BWD
+        compiled = bool(self.watched.regions) and _compiled_edge(frames, start + position, backward)
+        coarse = not rec.live
+        if rec.live and not compiled:
+            return _settled(report, NOT_REPLAYED, "every module was watched as the step ran: nothing to replay")
+        if rec is self.recorder.rec and not setup.before_update:
+            return self._unreplayed(report, coarse, "this step was checked after its update (mon.step() after "
+                                    "optimizer.step()), so a replay would run on other weights than the step did",
+                                    setup)
+        calls = list(rec.root_calls)
+        if not calls:
+            return _settled(report, NOT_REPLAYED, "no call of the model was recorded in this step")
+        if _marked_after_the_call(frames, start, position, calls):
+            return _settled(report, NOT_REPLAYED, "the first non-finite value was marked after the model's forward "
+                            "returned: the model's outputs were finite, so there is nothing inside it to replay")
+        if self.watched.sharded:
+            return self._unreplayed(report, coarse, "the model is sharded (FSDP / ZeRO-3): a replay to look inside "
+                                    "would make collectives on this rank alone", setup)
+        if backward:
+            bad = _bad_output_grad(calls)
+            if bad is not None:
+                return self._loss_gradient_report(report, frames, start, bad, judge_params, setup)
+            todo = [c for c in calls if c.output_grads]
+            if not todo:
+                dropped = next((c.dropped for c in calls if c.dropped), None)
+                bound = human_bytes(kept.GRAD_BYTES_KEPT)
+                reason = (f"the gradient at the model's output ({dropped}) is above the {bound} "
+                          "kept per micro-batch for a replay" if dropped else
+                          "no gradient reached the model's outputs (a backward from a value the monitor does not see)")
+                report.notes.append(f"Not replayed: {reason}; the parameter gradient above is where the step's check "
+                                    "found the fault, not where it began.")
+                return _settled(report, NOT_REPLAYED, reason)
+        else:
+            todo = [c for c in calls if c.start <= position][-1:]
+        why_not = [changed_input(c) for c in todo]
+        if all(why_not):
+            return self._unreplayed(report, coarse, why_not[0], setup)
+        for call, skip in zip(todo, why_not, strict=True):
+            if skip:
+                continue
+            try:
+                inner = self.replay_call(call, backward)
+            except CollectiveInReplay as e:
+                return self._unreplayed(report, coarse, f"the replay was stopped before a collective ({e}): on one "
+                                        "rank alone it would wait for the others forever", setup)
+            except Exception as e:  # the replay is a bonus: never let it hide the finding itself
+                return self._unreplayed(report, coarse, f"the replay raised {type(e).__name__}: {e}", setup)
+            context = frames[: start + call.start]  # earlier micro-batches and steps, then what the replay saw
+            again = self._report(context + inner, len(context), setup, judge_params)
+            if again is None:
+                continue
+            again.position = position  # ranks compare where the value went bad in the step they all ran
+            again.notes.append(_replayed_note(report, again, frames[start + position], compiled, calls, call))
+            return _settled(again, REPRODUCED)
+        return self._not_reproduced(report, compiled, backward, setup)
+
+    def failed_forward(self, call: RootCall, context: list[ResolvedFrame], setup: Setup) -> NonFiniteReport | None:
+        """A forward checked at its boundaries raised: was a value non-finite before the exception? Replayed (it
+        raises again, under ``no_grad``) with every module watched; the report, or None when the replay saw nothing
+        bad (or could not run: the exception is then the only finding). An out-of-memory error is not replayed."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, torch.OutOfMemoryError) or changed_input(call) is not None:
+            return None
+        try:
+            inner = self.replay_call(call, backward=False, failed=True)
+        except Exception:
+            return None
+        report = self._report(context + inner, len(context), setup, trail=False)
+        if report is not None:
+            report.notes.append("Replayed: the forward was checked at its boundaries and raised; it was run again on "
+                                "the same inputs, RNG state and autocast with every module watched (it raised "
+                                "again).")
+            _settled(report, REPRODUCED)
+        return report
+
+    def _not_reproduced(self, report: NonFiniteReport, compiled: bool, backward: bool,
+                        setup: Setup) -> NonFiniteReport:
+        if compiled:
+            report.notes.append(
+                "The model is compiled (torch.compile). This micro-batch was re-run eagerly on the same inputs (RNG "
+                "state restored) and stayed finite there: the compiled kernels round differently near the dtype's "
+                "limit (or drew other dropout masks). Run this step without torch.compile to see inside."
+            )
+            return _settled(report, NOT_REPRODUCED, "the eager replay of the compiled model stayed finite")
+        where = self.watched.where(self.rank)
+        if backward:
+            report.diagnosis = (
+                "the step's gradients went non-finite, but replaying the model's calls on the same inputs, RNG state "
+                "and autocast, from the gradients their outputs received, computed finite ones: the fault did not "
+                f"reproduce. Either a transient fault of the device or a kernel{where}, or a gradient that did not "
+                "come through the model's calls (a loss term computed from the parameters themselves, a module called "
+                "outside the model's forward): those are the places to look if it comes back on other devices."
+            )
+        else:
+            report.diagnosis = (
+                "the model's output went non-finite, but replaying its call on the same inputs, RNG state and autocast "
+                "computed finite values: the fault did not reproduce, so it is not the data or the model but a "
+                f"transient fault of the device or a kernel{where} (or Python state the forward reads that changed "
+                "since: a counter, a flag)."
+            )
+        report.fix = (
+            "check the device: on a GPU, nvidia-smi -q -d ECC,ROW_REMAPPER (uncorrectable errors, remapped rows) and "
+            "dcgmi diag -r 3 (or NVIDIA's field diagnostic), and look for Xid errors in the kernel log (dmesg | grep "
+            "-i xid); a kernel that is not deterministic (atomics) can also differ from run to run. If it happens "
+            "again on the same device, take that device out of the job. "
+            + setup.option("transient", "skip") + " skips such a step and goes on (counted in monitor.transients)."
         )
-        return _settled(report, NOT_REPRODUCED, "the eager replay of the compiled model stayed finite")
-    where = device_of(mon)
-    if backward:
-        report.diagnosis = (
-            "the step's gradients went non-finite, but replaying the model's calls on the same inputs, RNG state and "
-            "autocast, from the gradients their outputs received, computed finite ones: the fault did not reproduce. "
-            f"Either a transient fault of the device or a kernel{where}, or a gradient that did not come through "
-            "the model's calls (a loss term computed from the parameters themselves, a module called outside the "
-            "model's forward): those are the places to look if it comes back on other devices."
-        )
-    else:
-        report.diagnosis = (
-            "the model's output went non-finite, but replaying its call on the same inputs, RNG state and autocast "
-            "computed finite values: the fault did not reproduce, so it is not the data or the model but a transient "
-            f"fault of the device or a kernel{where} (or Python state the forward reads that changed since: a "
-            "counter, a flag)."
-        )
-    report.fix = (
-        "check the device: on a GPU, nvidia-smi -q -d ECC,ROW_REMAPPER (uncorrectable errors, remapped rows) and "
-        "dcgmi diag -r 3 (or NVIDIA's field diagnostic), and look for Xid errors in the kernel log (dmesg | grep -i "
-        "xid); a kernel that is not deterministic (atomics) can also differ from run to run. If it happens again on "
-        "the same device, take that device out of the job. "
-        + mon._setup().option("transient", "skip") + " skips such a step and goes on (counted in monitor.transients)."
-    )
-    if backward and mon._world > 1:
-        report.diagnosis += (" With several ranks the gradient reduction brings a non-finite gradient to every rank, "
-                             "and no rank's replay reproduced it: the device that faulted is one of the ranks', and "
-                             "from the gradients alone which one cannot be told.")
-    report.cause = causes.TRANSIENT
-    report.fp32_region = None
-    report.evidence = ()
-    report.cited = []
-    return _settled(report, NOT_REPRODUCED, "the replay on the same inputs and RNG state stayed finite")
+        if backward and self.watched.world > 1:
+            report.diagnosis += (" With several ranks the gradient reduction brings a non-finite gradient to every "
+                                 "rank, and no rank's replay reproduced it: the device that faulted is one of the "
+                                 "ranks', and from the gradients alone which one cannot be told.")
+        report.cause = causes.TRANSIENT
+        report.fp32_region = None
+        report.evidence = ()
+        report.cited = []
+        return _settled(report, NOT_REPRODUCED, "the replay on the same inputs and RNG state stayed finite")
 
-
-def device_of(mon: NumericsMonitor) -> str:
-    """' (rank R, host H, device D)' for a transient fault's report."""
-    parts = []
-    if mon.rank is not None:
-        parts.append(f"rank {mon.rank}")
-    parts.append(f"host {socket.gethostname()}")
-    devices = sorted({str(p.device) for p in mon._params if p.device.type != "meta"})
-    if devices:
-        name = ""
-        if devices[0].startswith("cuda"):
-            with contextlib.suppress(Exception):
-                name = f" ({torch.cuda.get_device_name(torch.device(devices[0]))})"
-        parts.append(f"device {', '.join(devices[:4])}{name}")
-    return " (" + ", ".join(parts) + ")"
-
-
-def _loss_gradient_report(mon: NumericsMonitor, report: NonFiniteReport, frames: list[ResolvedFrame], start: int,
-                          bad: tuple[RootCall, str, torch.Tensor], judge_params: bool) -> NonFiniteReport:
-    """The gradient reaching the model's output was already non-finite: the fault is in what computed it from the
-    outputs (the loss), outside the model -- the report is built with that gradient as the first bad value."""
-    call, label, grad = bad
-    root = next((f for f in frames[start:] if f.root), None)
-    info_name, cls = (root.name, root.cls) if root is not None else ("", type(mon.model).__name__)
-    line = measure_now("grad_" + label, grad)
-    index = next((i for i in range(start + call.start, len(frames)) if frames[i].root and frames[i].phase == FWD),
-                 None)
-    cut = len(frames) if index is None else index + 1
-    grad_frame = ResolvedFrame(mon.step_index, BWD, info_name, cls, [line], root=True)
-    again = build_report(frames[:cut] + [grad_frame], mon.max_frames, mon.rank, start, mon._hf, judge_params,
-                         mon._growth.read(), mon._setup())
-    again = again or report
-    again.position = report.position
-    return _settled(again, NOT_REPLAYED, "the gradient reaching the model's output was already non-finite: the fault "
-                    "is in the loss computed from the outputs, outside the model (nothing inside it to replay)")
+    def _loss_gradient_report(self, report: NonFiniteReport, frames: list[ResolvedFrame], start: int,
+                              bad: tuple[RootCall, str, torch.Tensor], judge_params: bool,
+                              setup: Setup) -> NonFiniteReport:
+        """The gradient reaching the model's output was already non-finite: the fault is in what computed it from
+        the outputs (the loss), outside the model -- the report is built with that gradient as the first bad
+        value."""
+        call, label, grad = bad
+        root = next((f for f in frames[start:] if f.root), None)
+        info_name, cls = (root.name, root.cls) if root is not None else ("", type(self.watched.root).__name__)
+        line = measure_now("grad_" + label, grad)
+        index = next((i for i in range(start + call.start, len(frames)) if frames[i].root and frames[i].phase == FWD),
+                     None)
+        cut = len(frames) if index is None else index + 1
+        grad_frame = ResolvedFrame(self.recorder.step, BWD, info_name, cls, [line], root=True)
+        again = self._report(frames[:cut] + [grad_frame], start, setup, judge_params) or report
+        again.position = report.position
+        return _settled(again, NOT_REPLAYED, "the gradient reaching the model's output was already non-finite: the "
+                        "fault is in the loss computed from the outputs, outside the model (nothing inside it to "
+                        "replay)")

@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch import nn
 
-from ..engines.wrappers import clean_name, is_wrapper, named_user_modules, unwrap_model, user_class_name
+from ..engines.hookset import HookSet
+from ..engines.wrappers import clean_name, is_wrapper, unwrap_model, user_class_name
 from .frames import ModuleInfo
-
-if TYPE_CHECKING:
-    from ..monitor import NumericsMonitor
 
 
 @dataclass(eq=False)
@@ -54,9 +53,18 @@ def _has_compiled_call(module: nn.Module) -> bool:
     return module.__dict__.get("_compiled_call_impl") is not None
 
 
-def find_regions(model: nn.Module, root: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
-    """(user name, outer, inner) of every compiled region in ``model``, outermost first."""
-    names = {id(m): name for name, m in named_user_modules(root)}
+class Edges(Protocol):
+    """What runs at a compiled region's edge (the recorder: :class:`~.recorder.Recorder`)."""
+
+    def region_enter(self, region: Region, module: nn.Module, args: tuple, kwargs: dict | None = None) -> None: ...
+    def region_exit(self, region: Region, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None: ...
+    def region_always(self, region: Region, module: nn.Module, *_: Any) -> None: ...
+
+
+def find_regions(model: nn.Module, modules: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, nn.Module]]:
+    """(user name, outer, inner) of every compiled region in ``model``, outermost first; ``modules``: the user's
+    modules with their names (:func:`~..engines.wrappers.user_modules`)."""
+    names = {id(m): name for name, m in modules}
     found = []
     for name, module in model.named_modules():
         if type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module):
@@ -70,11 +78,12 @@ def find_regions(model: nn.Module, root: nn.Module) -> list[tuple[str, nn.Module
 
 
 class Regions:
-    """The compiled regions of one monitored model."""
+    """The compiled regions of one monitored model (``model`` as given, ``root`` the user's module inside it,
+    ``modules`` its modules with their names)."""
 
-    def __init__(self, model: nn.Module, root: nn.Module) -> None:
+    def __init__(self, model: nn.Module, root: nn.Module, modules: Iterable[tuple[str, nn.Module]]) -> None:
         self.regions: list[Region] = []
-        for name, outer, inner in find_regions(model, root):
+        for name, outer, inner in find_regions(model, modules):
             info = ModuleInfo(name, user_class_name(inner), weakref.ref(inner), is_root=inner is root, boundary=True)
             self.regions.append(Region(outer, inner, info))
 
@@ -85,18 +94,18 @@ class Regions:
     def __bool__(self) -> bool:
         return bool(self.regions)
 
-    def install(self, mon: NumericsMonitor) -> None:
+    def install(self, hooks: HookSet, edges: Edges) -> None:
         for region in self.regions:
             if type(region.outer).__name__ == "OptimizedModule":
-                mon.add_handle(region.outer.register_forward_pre_hook(
-                    functools.partial(mon._region_enter, region), with_kwargs=True))
-                mon.add_handle(region.outer.register_forward_hook(
-                    functools.partial(mon._region_exit, region), with_kwargs=True))
-                mon.add_handle(region.outer.register_forward_hook(
-                    functools.partial(mon._region_always, region), with_kwargs=True, always_call=True))
+                hooks.add(region.outer.register_forward_pre_hook(
+                    functools.partial(edges.region_enter, region), with_kwargs=True))
+                hooks.add(region.outer.register_forward_hook(
+                    functools.partial(edges.region_exit, region), with_kwargs=True))
+                hooks.add(region.outer.register_forward_hook(
+                    functools.partial(edges.region_always, region), with_kwargs=True, always_call=True))
             else:
                 region.compiled_call = region.outer.__dict__["_compiled_call_impl"]
-                region.outer._compiled_call_impl = _edge_call(mon, region)
+                region.outer._compiled_call_impl = _edge_call(edges, region)
 
     def close(self) -> None:
         for region in self.regions:
@@ -106,19 +115,19 @@ class Regions:
                 region.compiled_call = None
 
 
-def _edge_call(mon: NumericsMonitor, region: Region) -> Any:
+def _edge_call(edges: Edges, region: Region) -> Any:
     """The eager wrapper put in place of ``module._compiled_call_impl`` (``module.compile()``)."""
     compiled = region.compiled_call
 
     def region_call(*args: Any, **kwargs: Any) -> Any:
-        mon._region_enter(region, region.outer, args, kwargs)
+        edges.region_enter(region, region.outer, args, kwargs)
         try:
             out = compiled(*args, **kwargs)
         except BaseException:
-            mon._region_always(region, region.outer)
+            edges.region_always(region, region.outer)
             raise
-        mon._region_exit(region, region.outer, args, kwargs, out)
-        mon._region_always(region, region.outer)
+        edges.region_exit(region, region.outer, args, kwargs, out)
+        edges.region_always(region, region.outer)
         return out
 
     region_call._torchdoctor_region = region  # type: ignore[attr-defined]

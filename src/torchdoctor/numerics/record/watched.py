@@ -1,17 +1,30 @@
-"""What a monitor watches, in one line: the user's model, its size, the optimizer, the wrappers around it.
+"""The model a monitor watches, met once at the door: :class:`WatchedModel`, and what it watches in one line.
 
-``GPT2LMHeadModel (124M params) with AdamW, DDP, grads=params`` -- logged when ``torchdoctor run --numerics``
-attaches, and kept in every report, so a run under a wrapper other than the one asked for (accelerate running DDP
-where FSDP was configured) says which one was watched.
+A monitor is handed a model under any wrappers (DDP, FSDP, ``torch.compile``, DeepSpeed, Lightning's). Everything
+the other parts ask of it -- the user's module and its modules' names and classes, the engine adapter, the compiled
+regions, the trainable parameters, the devices, whether the forward makes collectives -- is found here, walking the
+wrappers once (:func:`~..engines.wrappers.wrapper_chain`), and handed on as these facts: no other part unwraps.
+
+``GPT2LMHeadModel (124M params) with AdamW, DDP, grads=params`` (:meth:`WatchedModel.describe`) -- logged when
+``torchdoctor run --numerics`` attaches, and kept in every report, so a run under a wrapper other than the one asked
+for (accelerate running DDP where FSDP was configured) says which one was watched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
-from ..engines.wrappers import _inner, is_wrapper, unwrap_model, user_class_name
+from ..engines import Engine, select_engine
+from ..engines.wrappers import _inner, is_wrapper, sharded, user_class_name, wrapper_chain
+from ..fp32 import kept_in_fp32
+from .compiled import Regions
+from .frames import ModuleInfo
 
 # short names of the wrappers people know by them (others: their class name)
 _SHORT = {
@@ -26,10 +39,11 @@ _SHORT = {
 }
 
 
-def wrappers_of(model: nn.Module) -> list[str]:
-    """The wrappers around the user's module, outermost first (FSDP2 is a class swap, not a wrapper)."""
+def wrappers_of(chain: list[nn.Module]) -> list[str]:
+    """The wrappers around the user's module (:func:`~..engines.wrappers.wrapper_chain`), outermost first, by the
+    names people know them by (FSDP2 is a class swap, not a wrapper)."""
     out = []
-    while is_wrapper(model):
+    for model in chain[:-1]:
         name = type(model).__name__
         out.append(_SHORT.get(name, name))
         if out[-1] is None:
@@ -38,8 +52,7 @@ def wrappers_of(model: nn.Module) -> list[str]:
             stage = _zero_stage(model)
             if stage is not None:
                 out[-1] = f"DeepSpeed ZeRO-{stage}"
-        model = _inner(model)
-    root = unwrap_model(model)
+    root = chain[-1]
     if user_class_name(root) != type(root).__name__:
         out.append("FSDP2")
     return out
@@ -79,7 +92,7 @@ def live_modules() -> list[nn.Module]:
 def outermost_wrapper(model: nn.Module) -> nn.Module:
     """The outermost wrapper alive in the process around ``model`` (DDP, FSDP1, torch.compile, DeepSpeed, Lightning's
     strategy wrappers), else ``model``: what a Trainer's callback, given the bare model, runs inside."""
-    best, best_depth = model, 0
+    best, best_depth = model, 0  # (a search of the process's modules: a callback's start, never per step)
     for obj in live_modules():
         if not is_wrapper(obj):
             continue
@@ -95,8 +108,79 @@ def describe(model: nn.Module, optimizer: Any, grads: str, watch: str | None = N
              headroom_every: int | None = None) -> str:
     """``GPT2LMHeadModel (124M params) with AdamW, DDP, grads=params, watch=boundaries`` for ``model`` as given to the
     monitor (``watch``: the level its steps are watched at, when known; ``headroom_every``: headroom=True)."""
-    root = unwrap_model(model)
+    return _described(wrapper_chain(model), optimizer, grads, watch, headroom_every)
+
+
+def _described(chain: list[nn.Module], optimizer: Any, grads: str, watch: str | None,
+               headroom_every: int | None) -> str:
+    root = chain[-1]
     parts = [f"{user_class_name(root)} ({human_count(parameter_count(root))} params)"]
-    with_ = [type(optimizer).__name__ if optimizer is not None else "no optimizer", *wrappers_of(model)]
+    with_ = [type(optimizer).__name__ if optimizer is not None else "no optimizer", *wrappers_of(chain)]
     return (f"{parts[0]} with {', '.join(with_)}, grads={grads}" + (f", watch={watch}" if watch else "")
             + (f", headroom every {headroom_every} steps" if headroom_every else ""))
+
+
+class WatchedModel:
+    """The model as the monitor meets it, found once when it attaches (see the module docstring).
+
+    Attributes:
+        given (nn.Module): the model as handed to the monitor, wrappers and all.
+        root (nn.Module): the user's module inside them: what reports name ``(the model)``.
+        engine (Engine): the adapter for the machinery around it (:mod:`..engines`).
+        optimizer: the optimizer the engine hooks (None without one); ``scaler``: its ``LossScaler`` (or None).
+        modules (list[tuple[str, nn.Module]]): the user's modules with the user's names, the root first.
+        infos (dict[int, ModuleInfo]): ``id(module)`` -> its :class:`~.frames.ModuleInfo`, one per module.
+        regions (Regions): the compiled regions (``torch.compile``) and their edges.
+        params (list[nn.Parameter]): the trainable parameters (this rank's, under a sharding engine).
+        cuda_devices (tuple[int, ...]): the GPUs the parameters are on (whose RNG state a replay restores).
+        world (int): the ranks of torch.distributed (1 without it); ``sharded``: with several ranks, the forward
+            makes collectives by design (FSDP, ZeRO-3), so it cannot be replayed on one rank alone.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any, scaler: Any, world: int = 1) -> None:
+        self.given = model
+        self._chain = wrapper_chain(model)
+        self.root = self._chain[-1]
+        self.engine: Engine = select_engine(self._chain, optimizer, scaler)
+        self.optimizer = self.engine.optimizer
+        self.scaler = self.engine.scaler
+        self.modules = list(self.engine.modules())
+        self.regions = Regions(model, self.root, self.modules)
+        root_region = self.regions.root
+        class_name = self.engine.class_name
+        self.infos: dict[int, ModuleInfo] = {
+            id(module): ModuleInfo(name, class_name(module), weakref.ref(module),
+                                   is_root=module is self.root and root_region is None)
+            for name, module in self.modules}
+        self.params = self.engine.trainable()
+        self.devices = {p.device for p in self.params if p.device.type != "meta"} | {torch.device("cpu")}
+        self.cuda_devices = tuple(sorted({d.index or 0 for d in self.devices if d.type == "cuda"}))
+        self.world = world
+        self.sharded = world > 1 and sharded(model)
+
+    def describe(self, grads: str, watch: str | None = None, headroom_every: int | None = None) -> str:
+        """What is watched, in one line (:func:`describe`)."""
+        return _described(self._chain, self.optimizer, grads, watch, headroom_every)
+
+    def kept_in_fp32(self) -> tuple[str, ...]:
+        """The modules a ``keep_fp32`` guard keeps in fp32 now (what a report's advice must extend)."""
+        return kept_in_fp32(self.modules)
+
+    def late_regions(self) -> Regions:
+        """Compiled regions made since the monitor attached (``model.compile()`` after it): found anew."""
+        return Regions(self.root, self.root, self.modules)
+
+    def where(self, rank: int | None) -> str:
+        """`` (rank R, host H, device D)``: where a fault that did not reproduce happened."""
+        parts = []
+        if rank is not None:
+            parts.append(f"rank {rank}")
+        parts.append(f"host {socket.gethostname()}")
+        devices = sorted({str(p.device) for p in self.params if p.device.type != "meta"})
+        if devices:
+            name = ""
+            if devices[0].startswith("cuda"):
+                with contextlib.suppress(Exception):
+                    name = f" ({torch.cuda.get_device_name(torch.device(devices[0]))})"
+            parts.append(f"device {', '.join(devices[:4])}{name}")
+        return " (" + ", ".join(parts) + ")"

@@ -1,0 +1,70 @@
+"""What the monitor keeps and writes of what it found: the report it raised, the warnings and skipped steps the
+run survived, the loss scaler's overflows; each report written to ``report_dir`` before anything is raised.
+
+A full disk (or any error writing) never hides a finding: the report then carries a note saying it was not
+written, and the run stops or goes on as it would have.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from ..engines.scalers import OverflowEvent
+from ..errors import NonFiniteWarning
+from ..explain import causes
+from ..explain.report import NonFiniteReport
+from .loss_warning import as_warning, loss_name, user_stacklevel
+
+log = logging.getLogger("torchdoctor.numerics")
+
+
+class Reporter:
+    """The findings of one monitor (its public ``report``, ``warnings``, ``overflows``, ``transients``)."""
+
+    def __init__(self, report_dir: str, rank: int | None) -> None:
+        self.report_dir = report_dir
+        self.rank = rank
+        self.watching = ""  # what is watched, in one line: kept in every report
+        self.report: NonFiniteReport | None = None  # the last detection, the one raised
+        self.warnings: list[NonFiniteReport] = []  # findings the run survives (an inf loss, finite gradients)
+        self.overflows: list[OverflowEvent] = []  # steps a loss scaler skipped
+        self.transients: list[NonFiniteReport] = []  # steps skipped with transient="skip"
+
+    def write(self, report: NonFiniteReport, basename: str = "torchdoctor-nonfinite") -> list[str]:
+        """Write ``report`` (its ``.txt`` and ``.json``); never raises: a note in the report says why not."""
+        try:
+            return report.write(self.report_dir, basename=basename)
+        except Exception as e:  # never let a full disk (or anything else) hide the finding itself
+            report.notes.append(f"(could not write the report to {self.report_dir}: {e})")
+            return [f"(not written: {e})"]
+
+    def detected(self, report: NonFiniteReport) -> None:
+        """The detection that stops the run (or the step): kept as ``report``, said what was watched."""
+        self.report = report
+        report.watched = report.watched or self.watching
+
+    def warn_loss(self, report: NonFiniteReport) -> None:
+        """An inf loss with every gradient finite: a warning the run survives (:mod:`.loss_warning`), written,
+        kept in ``warnings``, logged and warned about; the step's update is applied."""
+        as_warning(report, causes.NONFINITE_LOSS)
+        self.warnings.append(report)
+        paths = self.write(report, basename="torchdoctor-nonfinite-loss")
+        message = (f"torchdoctor: step {report.step}: {loss_name(report)} is {report.first.value} while every "
+                   f"gradient is finite; the update was applied and the run goes on. Report: {paths[0]}")
+        log.warning("%s\n%s", message, report.text())
+        warnings.warn(message, NonFiniteWarning, stacklevel=user_stacklevel())
+
+    def transient(self, report: NonFiniteReport) -> None:
+        """``transient="skip"``: a step whose fault did not reproduce was refused (its gradients dropped); kept in
+        ``transients`` and on disk, warned about."""
+        report.severity = "warn"
+        report.notes.append("transient='skip': this step's update was refused (its gradients were dropped) and the "
+                            "run went on.")
+        report.watched = report.watched or self.watching
+        self.transients.append(report)
+        paths = self.write(report, basename="torchdoctor-transient")
+        message = (f"torchdoctor: step {report.step} went non-finite and its replay did not reproduce it (a transient "
+                   f"fault); its update was refused and the run goes on. Report: {paths[0]}")
+        log.warning("%s\n%s", message, report.text())
+        warnings.warn(message, NonFiniteWarning, stacklevel=user_stacklevel())
