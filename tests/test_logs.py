@@ -422,7 +422,8 @@ def test_cli_unreadable_files_exit_2_with_a_clear_message(tmp_path, capsys):
         assert cli(str(bad)) == 2
         assert f"cannot read {bad}: " in capsys.readouterr().err
     cut = tmp_path / "cut.gz"
-    cut.write_bytes(gzip.compress(bytes(range(256)) * 40)[:200])  # cut after some text: read up to there, a warning
+    text = "".join(f"step {i} loss {i * 0.37:.4f} lr {1e-4 / (i + 1):.3e}\n" for i in range(400)).encode()
+    cut.write_bytes(gzip.compress(text)[:200])  # cut after some text: read up to there, a warning
     assert cli(str(cut), "--json") == 0
     assert [f["id"] for f in json.loads(capsys.readouterr().out)["findings"]][0] == "logs.gzip-truncated"
     assert cli(str(tmp_path)) == 2  # a directory
