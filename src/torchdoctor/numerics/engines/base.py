@@ -2,8 +2,8 @@
 
 An engine adapter answers, for the machinery around one model, the questions the monitor asks:
 
-* which module is the user's (handed in already unwrapped: :class:`~..record.watched.WatchedModel` walks the
-  wrappers once), what its modules are called and of which class (:meth:`Engine.modules`);
+* which parameters train (:meth:`Engine.trainable`; the user's module is handed in already unwrapped:
+  :class:`~..record.watched.WatchedModel` walks the wrappers once, and names the modules);
 * where a training step ends and how to check it *before* the update (:meth:`Engine.install`);
 * which gradients are about to be applied (:meth:`Engine.grad_flags`);
 * which loss scaler is in play (:meth:`Engine.loss_scaler`);
@@ -31,7 +31,6 @@ from ..measure.stats import FLAT_ELEMENTS, finite_flags_of, flatten_dense
 from ..measure.windows import cpu_paths
 from .hookset import HookSet
 from .scalers import LossScaler
-from .wrappers import clean_name, user_class_name, user_modules
 
 log = logging.getLogger("torchdoctor.numerics")
 _grad = operator.attrgetter("grad")
@@ -91,18 +90,7 @@ class Engine:
         self.optimizer = self._hookable(optimizer)
         self.scaler = self.loss_scaler(scaler)
 
-    # ------------------------------------------------------------------ names
-    def modules(self) -> Iterator[tuple[str, nn.Module]]:
-        return user_modules(self.root)
-
-    @staticmethod
-    def class_name(module: nn.Module) -> str:
-        return user_class_name(module)
-
-    @staticmethod
-    def clean(name: str) -> str:
-        return clean_name(name)
-
+    # ------------------------------------------------------------------ the model
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.root.parameters() if p.requires_grad]
 

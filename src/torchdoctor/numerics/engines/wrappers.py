@@ -13,6 +13,7 @@ so this module is shared.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -102,3 +103,49 @@ def sharded(module: nn.Module) -> bool:
         if type(m).__name__ == "FullyShardedDataParallel" or any(c.__name__ == "FSDPModule" for c in type(m).__mro__):
             return True
     return any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor" for p in module.parameters())
+
+
+@dataclass
+class LookedThrough:
+    """What a model is under its wrappers, found in one pass (:func:`look_through`)."""
+
+    chain: list[nn.Module]  # the model as given, each wrapper inside it, the user's module last
+    modules: list[tuple[str, nn.Module]]  # the user's modules with the user's names, the root first
+    classes: dict[int, str]  # id(module) -> the user's class name
+    regions: list[tuple[str, nn.Module, nn.Module]]  # compiled regions: (user name, outer, inner), outermost first
+    sharded: bool  # with several ranks: the forward makes collectives by design (FSDP, ZeRO-3, DTensor)
+
+    @property
+    def root(self) -> nn.Module:
+        return self.chain[-1]
+
+
+def look_through(model: nn.Module, world: int = 1) -> LookedThrough:
+    """Everything the monitor asks of ``model``'s wrappers, once: the chain, the user's modules and classes, the
+    compiled regions (``torch.compile``'s ``OptimizedModule``, ``module.compile()``), and, with several ranks
+    (``world``), whether the forward is sharded."""
+    chain = wrapper_chain(model)
+    modules = list(user_modules(chain[-1]))
+    classes = {id(m): user_class_name(m) for _, m in modules}
+    return LookedThrough(chain, modules, classes, compiled_regions(model, modules, classes),
+                         world > 1 and sharded(model))
+
+
+def compiled_regions(model: nn.Module, modules: list[tuple[str, nn.Module]],
+                     classes: dict[int, str]) -> list[tuple[str, nn.Module, nn.Module]]:
+    """(user name, outer, inner) of every compiled region in ``model``, outermost first: an ``OptimizedModule``
+    (``torch.compile(module)``; ``inner`` its module under any wrappers), or a module whose ``_compiled_call_impl``
+    is set (``module.compile()``); ``modules``/``classes`` name them as the user does."""
+    names = {id(m): name for name, m in modules}
+    found = []
+    for name, module in model.named_modules():
+        if type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module):
+            inner = unwrap_model(module._orig_mod)
+        elif module.__dict__.get("_compiled_call_impl") is not None and not is_wrapper(module):
+            inner = module
+        else:
+            continue
+        if id(inner) not in classes:
+            classes[id(inner)] = user_class_name(inner)
+        found.append((names.get(id(inner), clean_name(name)), module, inner))
+    return found

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ...advice import fp16_collapse_fix
 from ..engines.scalers import OverflowEvent
+from ..engines.wrappers import clean_name
 from ..explain import causes
 from ..explain.diagnosis import Setup
 from ..explain.render import who
@@ -248,8 +249,7 @@ class Judge:
 
     def check_weights(self) -> NonFiniteReport | None:
         """At attach time: a weight that is already non-finite is named at once (one sync, once); its report."""
-        engine = self.watched.engine
-        named = [(engine.clean(n), p) for n, p in self.watched.root.named_parameters()]
+        named = [(clean_name(n), p) for n, p in self.watched.root.named_parameters()]
         flag = all_finite(finite_flags_of([p for _, p in named]))
         if self.check.sync_ranks:  # sharded weights differ per rank: every rank must refuse together
             ok, mine = share_verdict(None, flag)

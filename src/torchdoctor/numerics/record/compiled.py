@@ -31,7 +31,6 @@ from typing import Any, Protocol
 from torch import nn
 
 from ..engines.hookset import HookSet
-from ..engines.wrappers import clean_name, is_wrapper, unwrap_model, user_class_name
 from .frames import ModuleInfo
 
 
@@ -49,10 +48,6 @@ class Region:
         return self.info.is_root
 
 
-def _has_compiled_call(module: nn.Module) -> bool:
-    return module.__dict__.get("_compiled_call_impl") is not None
-
-
 class Edges(Protocol):
     """What runs at a compiled region's edge (the recorder: :class:`~.recorder.Recorder`)."""
 
@@ -61,30 +56,15 @@ class Edges(Protocol):
     def region_always(self, region: Region, module: nn.Module, *_: Any) -> None: ...
 
 
-def find_regions(model: nn.Module, modules: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, nn.Module]]:
-    """(user name, outer, inner) of every compiled region in ``model``, outermost first; ``modules``: the user's
-    modules with their names (:func:`~..engines.wrappers.user_modules`)."""
-    names = {id(m): name for name, m in modules}
-    found = []
-    for name, module in model.named_modules():
-        if type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module):
-            inner = unwrap_model(module._orig_mod)
-        elif _has_compiled_call(module) and not is_wrapper(module):
-            inner = module
-        else:
-            continue
-        found.append((names.get(id(inner), clean_name(name)), module, inner))
-    return found
-
-
 class Regions:
-    """The compiled regions of one monitored model (``model`` as given, ``root`` the user's module inside it,
-    ``modules`` its modules with their names)."""
+    """The compiled regions of one monitored model: ``found`` as :func:`~..engines.wrappers.compiled_regions` finds
+    them, ``classes`` the user's class of each module, ``root`` the user's module."""
 
-    def __init__(self, model: nn.Module, root: nn.Module, modules: Iterable[tuple[str, nn.Module]]) -> None:
+    def __init__(self, found: Iterable[tuple[str, nn.Module, nn.Module]], classes: dict[int, str],
+                 root: nn.Module) -> None:
         self.regions: list[Region] = []
-        for name, outer, inner in find_regions(model, modules):
-            info = ModuleInfo(name, user_class_name(inner), weakref.ref(inner), is_root=inner is root, boundary=True)
+        for name, outer, inner in found:
+            info = ModuleInfo(name, classes[id(inner)], weakref.ref(inner), is_root=inner is root, boundary=True)
             self.regions.append(Region(outer, inner, info))
 
     @property

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..engines import Engine, select_engine
-from ..engines.wrappers import _inner, is_wrapper, sharded, user_class_name, wrapper_chain
+from ..engines.wrappers import _inner, is_wrapper, look_through, user_class_name, wrapper_chain
 from ..fp32 import kept_in_fp32
 from .compiled import Regions
 from .frames import ModuleInfo
@@ -39,9 +39,10 @@ _SHORT = {
 }
 
 
-def wrappers_of(chain: list[nn.Module]) -> list[str]:
-    """The wrappers around the user's module (:func:`~..engines.wrappers.wrapper_chain`), outermost first, by the
-    names people know them by (FSDP2 is a class swap, not a wrapper)."""
+def wrappers_of(chain: list[nn.Module], root_class: str) -> list[str]:
+    """The wrappers around the user's module (:func:`~..engines.wrappers.wrapper_chain`; ``root_class`` its class as
+    the user wrote it), outermost first, by the names people know them by (FSDP2 is a class swap, not a
+    wrapper)."""
     out = []
     for model in chain[:-1]:
         name = type(model).__name__
@@ -52,8 +53,7 @@ def wrappers_of(chain: list[nn.Module]) -> list[str]:
             stage = _zero_stage(model)
             if stage is not None:
                 out[-1] = f"DeepSpeed ZeRO-{stage}"
-    root = chain[-1]
-    if user_class_name(root) != type(root).__name__:
+    if root_class != type(chain[-1]).__name__:
         out.append("FSDP2")
     return out
 
@@ -108,14 +108,15 @@ def describe(model: nn.Module, optimizer: Any, grads: str, watch: str | None = N
              headroom_every: int | None = None) -> str:
     """``GPT2LMHeadModel (124M params) with AdamW, DDP, grads=params, watch=boundaries`` for ``model`` as given to the
     monitor (``watch``: the level its steps are watched at, when known; ``headroom_every``: headroom=True)."""
-    return _described(wrapper_chain(model), optimizer, grads, watch, headroom_every)
+    chain = wrapper_chain(model)
+    return _described(chain, user_class_name(chain[-1]), optimizer, grads, watch, headroom_every)
 
 
-def _described(chain: list[nn.Module], optimizer: Any, grads: str, watch: str | None,
+def _described(chain: list[nn.Module], root_class: str, optimizer: Any, grads: str, watch: str | None,
                headroom_every: int | None) -> str:
     root = chain[-1]
-    parts = [f"{user_class_name(root)} ({human_count(parameter_count(root))} params)"]
-    with_ = [type(optimizer).__name__ if optimizer is not None else "no optimizer", *wrappers_of(chain)]
+    parts = [f"{root_class} ({human_count(parameter_count(root))} params)"]
+    with_ = [type(optimizer).__name__ if optimizer is not None else "no optimizer", *wrappers_of(chain, root_class)]
     return (f"{parts[0]} with {', '.join(with_)}, grads={grads}" + (f", watch={watch}" if watch else "")
             + (f", headroom every {headroom_every} steps" if headroom_every else ""))
 
@@ -139,28 +140,28 @@ class WatchedModel:
 
     def __init__(self, model: nn.Module, optimizer: Any, scaler: Any, world: int = 1) -> None:
         self.given = model
-        self._chain = wrapper_chain(model)
-        self.root = self._chain[-1]
-        self.engine: Engine = select_engine(self._chain, optimizer, scaler)
+        self._seen = seen = look_through(model, world)  # the one walk through the wrappers
+        self.root = seen.root
+        self.engine: Engine = select_engine(seen.chain, optimizer, scaler)
         self.optimizer = self.engine.optimizer
         self.scaler = self.engine.scaler
-        self.modules = list(self.engine.modules())
-        self.regions = Regions(model, self.root, self.modules)
+        self.modules = seen.modules
+        self.regions = Regions(seen.regions, seen.classes, self.root)
         root_region = self.regions.root
-        class_name = self.engine.class_name
         self.infos: dict[int, ModuleInfo] = {
-            id(module): ModuleInfo(name, class_name(module), weakref.ref(module),
+            id(module): ModuleInfo(name, seen.classes[id(module)], weakref.ref(module),
                                    is_root=module is self.root and root_region is None)
             for name, module in self.modules}
         self.params = self.engine.trainable()
         self.devices = {p.device for p in self.params if p.device.type != "meta"} | {torch.device("cpu")}
         self.cuda_devices = tuple(sorted({d.index or 0 for d in self.devices if d.type == "cuda"}))
         self.world = world
-        self.sharded = world > 1 and sharded(model)
+        self.sharded = seen.sharded
 
     def describe(self, grads: str, watch: str | None = None, headroom_every: int | None = None) -> str:
         """What is watched, in one line (:func:`describe`)."""
-        return _described(self._chain, self.optimizer, grads, watch, headroom_every)
+        seen = self._seen
+        return _described(seen.chain, seen.classes[id(seen.root)], self.optimizer, grads, watch, headroom_every)
 
     def kept_in_fp32(self) -> tuple[str, ...]:
         """The modules a ``keep_fp32`` guard keeps in fp32 now (what a report's advice must extend)."""
@@ -168,7 +169,8 @@ class WatchedModel:
 
     def late_regions(self) -> Regions:
         """Compiled regions made since the monitor attached (``model.compile()`` after it): found anew."""
-        return Regions(self.root, self.root, self.modules)
+        seen = look_through(self.root)
+        return Regions(seen.regions, seen.classes, self.root)
 
     def where(self, rank: int | None) -> str:
         """`` (rank R, host H, device D)``: where a fault that did not reproduce happened."""
