@@ -197,7 +197,8 @@ def test_no_gradient_to_measure_is_not_an_overflow_and_the_root_is_named(factori
     assert rc == 0 and json.loads(out)["verdict"] == "safe"
     rc, out, _ = cli([f"{factories}:saturating", "--json"], capsys)
     absorbed = next(f for f in json.loads(out)["findings"] if f["id"] == "precision.absorbed")
-    assert absorbed["title"].startswith("inside (the model) (Saturating)")
+    line = FACTORIES.splitlines().index("        return self.proj(x).tanh()") + 1  # (the file is written dedented)
+    assert absorbed["title"].startswith(f"inside (the model) at mymodels.py:{line} in forward (Saturating)")
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -21,11 +21,11 @@ from torch import nn
 from ..numerics.engines.wrappers import named_user_modules
 from ..numerics.fp32 import keep_fp32
 from .ops import NONFINITE, OUT_MAX, Recorder, floats
-from .predict import RISK_FACTOR, Prediction
+from .predict import DEFAULT_SCALE_POWER, RISK_FACTOR, LossScale, Prediction
 from .probe import Probe, call, loss_of, seeded
 
 MAX_ROUNDS = 8
-MAX_SCALE_TRIES = 6  # loss scales checked with a backward, from the proposed one down
+MAX_SCALE_TRIES = 8  # loss scales checked with a backward, at most
 MAX_PRUNE = 12  # regions tried without, once the set works
 MAX_PARAM_SHARE = 0.5  # regions holding more of the model than this are not a fix: bf16 is
 
@@ -39,13 +39,12 @@ class FixResult:
     param_share: float = 0.0
     loss: float | None = None  # that forward's loss
     reason: str | None = None  # why the search gave up
-    scale_power: int | None = None  # the loss scale checked with one backward
-    scale_ok: bool | None = None  # its gradients were all finite
+    backward_checked: bool = True  # False: the backward is non-finite in fp32 already, only the forward was checked
 
     def to_json(self) -> dict:
         return {"regions": self.regions, "verified": self.verified, "rounds": self.rounds, "remaining": self.remaining,
                 "param_share": self.param_share, "loss": self.loss, "reason": self.reason,
-                "scale_power": self.scale_power, "scale_ok": self.scale_ok}
+                "backward_checked": self.backward_checked}
 
 
 def _outermost(names: set[str]) -> list[str]:
@@ -98,7 +97,7 @@ def _flagged(model: nn.Module, batch: Any, probe: Probe, regions: list[str], lim
     bad_modules = {n for n, flag in went_bad.items() if bool(flag)}
     flagged: list[str] = []
     for op in recorder.read():
-        if op.dtype != probe.target:
+        if not op.computes(probe.target):
             continue
         # a new inf/nan that reaches its module's output (not a mask, not one a saturating function absorbs), or a
         # finite value past the limit
@@ -153,8 +152,10 @@ def _widen(regions: set[str], current: list[str], name: str) -> None:
 
 def find_regions(model: nn.Module, batch: Any, probe: Probe, prediction: Prediction) -> FixResult:
     """Grow the set of fp32 regions from the prediction's sites until a forward under the target dtype's autocast
-    stays in range and its backward (unscaled) stays finite; give up past :data:`MAX_PARAM_SHARE` of the
+    stays in range and its backward (unscaled) stays finite -- the backward only where it is finite in fp32 (a
+    backward non-finite in fp32 already is no region's to fix); give up past :data:`MAX_PARAM_SHARE` of the
     parameters, at the model's own code, or after :data:`MAX_ROUNDS`."""
+    backward = prediction.fp32_fault is None
     limit = prediction.dtype_max / RISK_FACTOR
     absorbed = {s.module for s in prediction.absorbed}
     regions = {s.module for s in prediction.overflow + prediction.at_risk}
@@ -176,27 +177,28 @@ def find_regions(model: nn.Module, batch: Any, probe: Probe, prediction: Predict
             return FixResult(current, False, rounds, flagged, share, loss,
                              f"still out of range after {MAX_ROUNDS} rounds of widening the regions")
         rounds += 1
-        flagged, loss = _clean(model, batch, probe, current, limit, absorbed)
+        flagged, loss = _clean(model, batch, probe, current, limit, absorbed, backward)
         if not flagged:
-            current, loss = _pruned(model, batch, probe, current, limit, absorbed, loss)
-            return FixResult(current, True, rounds, [], _param_share(model, current), loss)
+            current, loss = _pruned(model, batch, probe, current, limit, absorbed, loss, backward)
+            return FixResult(current, True, rounds, [], _param_share(model, current), loss,
+                             backward_checked=backward)
         for name in flagged:
             _widen(regions, current, name)
 
 
 def _clean(model: nn.Module, batch: Any, probe: Probe, regions: list[str], limit: float,
-           absorbed: set[str]) -> tuple[list[str], float | None]:
-    """With ``regions`` in fp32: the modules still out of range in the forward, else the module the backward goes
-    non-finite at (empty: both clean), and the forward's loss."""
+           absorbed: set[str], backward: bool = True) -> tuple[list[str], float | None]:
+    """With ``regions`` in fp32: the modules still out of range in the forward, else (``backward``) the module the
+    backward goes non-finite at (empty: both clean), and the forward's loss."""
     flagged, loss = _flagged(model, batch, probe, regions, limit, absorbed)
-    if not flagged:
+    if not flagged and backward:
         backward = _backward_fault(model, batch, probe, regions)
         flagged = [] if backward is None else [backward]
     return flagged, loss
 
 
 def _pruned(model: nn.Module, batch: Any, probe: Probe, regions: list[str], limit: float, absorbed: set[str],
-            loss: float | None) -> tuple[list[str], float | None]:
+            loss: float | None, backward: bool = True) -> tuple[list[str], float | None]:
     """Drop the regions not needed: the prediction seeds every module past the range, also those that only pass on
     a value their predecessor made (once that one computes in fp32, they do too). Each region is tried without, last
     first, at most :data:`MAX_PRUNE` of them; one that is not needed stays out."""
@@ -205,43 +207,87 @@ def _pruned(model: nn.Module, batch: Any, probe: Probe, regions: list[str], limi
         if len(kept) == 1:
             break
         trial = [r for r in kept if r != name]
-        flagged, trial_loss = _clean(model, batch, probe, trial, limit, absorbed)
+        flagged, trial_loss = _clean(model, batch, probe, trial, limit, absorbed, backward)
         if not flagged:
             kept, loss = trial, trial_loss
     return kept, loss
 
 
-def verified_power(model: nn.Module, batch: Any, probe: Probe, regions: list[str], power: int,
-                   lowest: int) -> int | None:
-    """The largest power of two from ``power`` down to ``lowest`` whose scaled backward keeps every gradient finite
-    (:func:`check_scale`), or None."""
-    for p in range(power, max(lowest, power - MAX_SCALE_TRIES + 1) - 1, -1):
-        if check_scale(model, batch, probe, regions, p):
-            return p
-    return None
+@dataclass
+class ScaleCheck:
+    """One backward under the target dtype's autocast at a loss scale: did the parameters' gradients stay finite?
+    (What a loss scaler checks before it steps; those already non-finite in fp32 are not counted.)"""
+
+    power: int
+    overflowed: int  # parameters whose gradient went inf/nan
+
+    @property
+    def ok(self) -> bool:
+        return not self.overflowed
+
+    def to_json(self) -> dict:
+        return {"power": self.power, "overflowed": self.overflowed, "ok": self.ok}
 
 
-def check_scale(model: nn.Module, batch: Any, probe: Probe, regions: list[str], power: int) -> bool:
+def check_scales(model: nn.Module, batch: Any, probe: Probe, regions: list[str], scale: LossScale,
+                 default: int = DEFAULT_SCALE_POWER) -> list[ScaleCheck]:
+    """Backwards at loss scales, by power of two, sorted: from the predicted start (the default when predicted to
+    work, else the nearest predicted power) down in growing steps after an overflow until one keeps the gradients
+    finite, the default checked too when it lies above, then halving the gap between the largest power that worked
+    and the smallest above it that overflowed -- so the largest power that works is known exactly (what a loss
+    scaler backs off to, and how many steps it skips on the way), within :data:`MAX_SCALE_TRIES` backwards."""
+    if scale.max_power is None:
+        return []
+    lowest = scale.min_power if scale.min_power is not None and scale.min_power <= scale.max_power else None
+    power = min(default, scale.max_power) if lowest is None else min(max(default, lowest), scale.max_power)
+    done: dict[int, ScaleCheck] = {}
+
+    def ok(p: int) -> bool:
+        if p not in done:
+            done[p] = check_scale(model, batch, probe, regions, p)
+        return done[p].ok
+
+    step = 1
+    while len(done) < MAX_SCALE_TRIES and not ok(power):
+        power, step = power - step, step * 2
+    good = [p for p, c in done.items() if c.ok]
+    if good and len(done) < MAX_SCALE_TRIES:
+        lo = max(good)
+        if lo < default and default not in done:
+            ok(default)
+        hi = min((p for p, c in done.items() if not c.ok and p > lo), default=None)
+        while hi is not None and hi - lo > 1 and len(done) < MAX_SCALE_TRIES:
+            mid = (lo + hi) // 2
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid
+    return [done[p] for p in sorted(done)]
+
+
+def check_scale(model: nn.Module, batch: Any, probe: Probe, regions: list[str], power: int) -> ScaleCheck:
     """One forward and backward under the target dtype's autocast, the loss multiplied by ``2**power`` as a loss
-    scaler would, with ``regions`` in fp32: are all parameter gradients finite? (``.grad`` is put back after.)"""
+    scaler would, with ``regions`` in fp32: how many parameter gradients went non-finite (of those finite in fp32).
+    ``.grad`` is put back after."""
     mods = dict(named_user_modules(model))
-    params = [p for p in model.parameters() if p.requires_grad]
-    saved = [p.grad for p in params]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    saved = [p.grad for _, p in named]
     guard = keep_fp32([mods[r] for r in regions], model=model) if regions else None
+    broken = set(probe.grads.nonfinite_params)
     try:
-        for p in params:
+        for _, p in named:
             p.grad = None
         with seeded(), torch.autocast(probe.device.split(":")[0], dtype=probe.target):
             loss, _ = loss_of(call(model, batch))
         if not loss.requires_grad:
-            return True
+            return ScaleCheck(power, 0)
         (loss.float() * 2.0 ** power).backward()
-        flags = [torch.isfinite(p.grad).all() for p in params if p.grad is not None]
-        return bool(torch.stack(flags).all()) if flags else True
+        flags = [~torch.isfinite(p.grad).all() for n, p in named if p.grad is not None and n not in broken]
+        return ScaleCheck(power, int(torch.stack(flags).sum()) if flags else 0)
     finally:
         if guard is not None:
             guard.remove()
-        for p, g in zip(params, saved):
+        for (_, p), g in zip(named, saved):
             p.grad = g
 
 

@@ -16,11 +16,14 @@ takes them, so its own loss is the one measured; an encoder-decoder model derive
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
 import os
 import sys
+import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,14 +52,19 @@ class Loaded:
 DEFAULT_SEQ_LEN = 128
 
 
-def load(spec: str, batch_file: str | None, seq_len: int | None, batch_size: int, device: str) -> Loaded:
-    """The model and batch ``spec`` names, on ``device``, the model in fp32 and in training mode."""
+def load(spec: str, batch_file: str | None, seq_len: int | None, batch_size: int, device: str,
+         json_out: bool = False) -> Loaded:
+    """The model and batch ``spec`` names, on ``device``, the model in fp32 and in training mode. A factory's own
+    output is the user's: it is shown (on stderr when ``json_out``, so that stdout stays one JSON document)."""
+    from ..deepspeed.quiet import quiet_deepspeed
+
     if os.path.isdir(spec):
-        loaded = _from_folder(spec, batch_file, seq_len, batch_size)
+        with quiet_deepspeed():  # transformers imports DeepSpeed when it is installed: its lines would break --json
+            loaded = _from_folder(spec, batch_file, seq_len, batch_size)
     elif ":" in spec and not os.path.exists(spec):
         if batch_file is not None:
             raise PrecisionUsageError("--batch is for a model folder; a factory returns its own batch")
-        loaded = _from_factory(spec)
+        loaded = _from_factory(spec, json_out)
     elif os.path.exists(spec):
         raise PrecisionUsageError(f"{spec}: not a folder; pass a Hugging Face model folder (config.json and "
                                   "*.safetensors) or module:factory")
@@ -87,7 +95,33 @@ def _placed(loaded: Loaded, device: str) -> Loaded:
 
 
 # ---------------------------------------------------------------------------------------------------- a factory
-def _from_factory(spec: str) -> Loaded:
+@contextlib.contextmanager
+def users_code(spec: str, module_name: str, doing: str, json_out: bool) -> Iterator[None]:
+    """Run the user's code (importing their module, calling their factory) as their own: its prints and warnings
+    shown (stdout sent to stderr under ``--json``), ``sys.argv`` theirs (``[module]``: torchdoctor's own arguments
+    are not their script's), and an exit it takes -- ``sys.exit``, or argparse refusing a command line -- said as
+    theirs in one line (exit 2), never torchdoctor's silent end."""
+    argv = sys.argv
+    sys.argv = [module_name]
+    try:
+        with contextlib.redirect_stdout(sys.stderr) if json_out else contextlib.nullcontext():
+            yield
+    except SystemExit as e:
+        frames = traceback.extract_tb(e.__traceback__)
+        parsing = next((f for f in reversed(frames) if os.path.basename(f.filename) == "argparse.py"), None)
+        raised = next((f for f in reversed(frames) if os.path.basename(f.filename) != "argparse.py"), None)
+        at = f" at {os.path.basename(raised.filename)}:{raised.lineno} in {raised.name}" if raised else ""
+        if parsing is not None:
+            raise PrecisionUsageError(
+                f"{spec}: {doing} exited (code {e.code}) in argparse{at}: it parses a command line, and runs here "
+                f"with sys.argv = [{module_name!r}] (torchdoctor's arguments are not its own); give its options "
+                "defaults, or point torchdoctor at a function that builds the model without parsing") from None
+        raise PrecisionUsageError(f"{spec}: {doing} called sys.exit({e.code!r}){at}") from None
+    finally:
+        sys.argv = argv
+
+
+def _from_factory(spec: str, json_out: bool = False) -> Loaded:
     import torch
 
     module_name, _, attr = spec.partition(":")
@@ -97,9 +131,12 @@ def _from_factory(spec: str) -> Loaded:
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` does: the working directory's modules are importable
     try:
-        module = importlib.import_module(module_name)
+        with users_code(spec, module_name, f"importing {module_name}", json_out):
+            module = importlib.import_module(module_name)
     except ImportError as e:
         raise PrecisionUsageError(f"{spec}: cannot import {module_name}: {e}") from None
+    except PrecisionUsageError:
+        raise
     except Exception as e:  # noqa: BLE001 -- the user's module raised while importing: their error, one line
         raise PrecisionUsageError(f"{spec}: importing {module_name} raised {type(e).__name__}: {e}") from None
     factory = module
@@ -110,7 +147,10 @@ def _from_factory(spec: str) -> Loaded:
     if not callable(factory):
         raise PrecisionUsageError(f"{spec}: {attr} is a {type(factory).__name__}, not a callable")
     try:
-        made = factory()
+        with users_code(spec, module_name, "the factory", json_out):
+            made = factory()
+    except PrecisionUsageError:
+        raise
     except Exception as e:  # noqa: BLE001
         raise PrecisionUsageError(f"{spec}: the factory raised {type(e).__name__}: {e}") from None
     if not (isinstance(made, (tuple, list)) and len(made) == 2):

@@ -14,7 +14,9 @@ other: the fp32 pass says how large a value is, the autocast pass whether it is 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +41,14 @@ class OpRecord:
     module: str  # the innermost module running it ("" for the model's own code at the root)
     dtype: torch.dtype  # the dtype of its first floating output
     stats: list[float]  # IN_MAX, OUT_MAX, NONZERO, SUBNORMAL, FLUSHED, NONFINITE (after Recorder.read)
+    ins: tuple[torch.dtype, ...] = ()  # the dtypes of its floating inputs, in order (parameters too)
+    outs: tuple[torch.dtype, ...] = ()  # the dtypes of its floating outputs, in order
+    where: str | None = None  # for an op of the model's own code (at the root): "file:line in function"
+
+    def computes(self, dtype: torch.dtype) -> bool:
+        """Does it compute values in ``dtype`` (one of its outputs is in it)? An fp32 output next to an fp16 one --
+        the logsumexp CPU flash attention returns -- is no fp16 value."""
+        return dtype in self.outs
 
 
 def flush_below(dtype: torch.dtype) -> float:
@@ -79,21 +89,31 @@ def floats(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+#: told of each op recorded: (index, module, op, where, inputs, outputs, inputs narrow, outputs narrow)
+Seen = Callable[[int, str, str, "str | None", list, list, list, list], None]
+
+
 class Recorder(TorchDispatchMode):
     """Record the ops of the forwards run inside it (``with recorder, recorder.modules(model): model(...)``)."""
 
     def __init__(self, target: torch.dtype, plan: list[OpRecord] | None = None,
-                 weights: set[int] | frozenset[int] = frozenset(), measure: bool = True) -> None:
-        """``plan``: the ops of a pass in the target dtype already recorded; an op this pass runs at the same place
-        is measured only when the plan's ran in the target dtype (the others cannot overflow or flush there: a
-        zero row). ``weights``: storage addresses of the parameters, left out of an op's inputs (the weights are
-        checked on their own, and measuring the embedding at every op that reads it costs more than the op).
-        ``measure=False``: names, modules and dtypes only."""
+                 weights: set[int] | frozenset[int] = frozenset(), measure: bool = True,
+                 seen: Seen | None = None) -> None:
+        """Each value is judged by its own dtype, one tensor at a time: an op's input or output is measured when it
+        is in the target dtype -- in ``plan`` (the ops of a pass in the target dtype already recorded, this pass's
+        op at the same place) or, without one, in this pass. An fp32 buffer an fp16 op reads (BatchNorm's
+        running_var) or an fp32 output beside an fp16 one (a logsumexp) is no fp16 value. An op with no output in
+        the target dtype gets a zero row (nothing there can overflow or flush in it). ``weights``: storage
+        addresses of the parameters, left out of an op's inputs (the weights are checked on their own, and
+        measuring the embedding at every op that reads it costs more than the op). ``measure=False``: names,
+        modules and dtypes only. ``seen(index, module, op, where, ins, outs, narrow_ins, narrow_outs)`` is told of every
+        op recorded (the gradient watch: :mod:`.grads`)."""
         super().__init__()
         self.plan = plan
         self.weights = weights
         self.target = target
         self.measure = measure
+        self.seen = seen
         info = torch.finfo(target)
         self.normal_min = float(info.tiny)  # below it a value is subnormal in the target dtype
         self.flush_below = flush_below(target)
@@ -101,6 +121,9 @@ class Recorder(TorchDispatchMode):
         self.names: list[str] = []
         self.modules_of: list[str] = []
         self.dtypes: list[torch.dtype] = []
+        self.in_dtypes: list[tuple[torch.dtype, ...]] = []
+        self.out_dtypes: list[tuple[torch.dtype, ...]] = []
+        self.wheres: list[str | None] = []
         self.rows: list[torch.Tensor | None] = []
         self.on = True
 
@@ -142,19 +165,35 @@ class Recorder(TorchDispatchMode):
         outs = floats(out)
         if not outs:
             return out
+        ins = floats(list(args) + list((kwargs or {}).values()))
         index = len(self.names)
+        module = self.stack[-1]
         self.names.append(name)
-        self.modules_of.append(self.stack[-1])
+        self.modules_of.append(module)
         self.dtypes.append(outs[0].dtype)
-        plan = self.plan
-        if not self.measure or (plan is not None and index < len(plan) and plan[index].name == name
-                                and plan[index].dtype != self.target):
-            self.rows.append(None)  # computed wider than the target dtype there: nothing to measure
+        self.in_dtypes.append(tuple(t.dtype for t in ins))
+        self.out_dtypes.append(tuple(t.dtype for t in outs))
+        self.wheres.append(user_line() if module == "" else None)
+        narrow_ins, narrow_outs = self._narrow(index, name, ins, outs)
+        if self.seen is not None:
+            self.seen(index, module, name, self.wheres[-1], ins, outs, narrow_ins, narrow_outs)
+        if not self.measure or not any(narrow_outs):
+            self.rows.append(None)  # no value computed in the target dtype there: nothing to measure
             return out
-        ins = [t for t in floats(list(args) + list((kwargs or {}).values()))
-               if t.untyped_storage().data_ptr() not in self.weights]
-        self.rows.append(self._row(ins, outs))
+        measured_ins = [t for t, n in zip(ins, narrow_ins) if n and t.untyped_storage().data_ptr() not in self.weights]
+        self.rows.append(self._row(measured_ins, [t for t, n in zip(outs, narrow_outs) if n]))
         return out
+
+    def _narrow(self, index: int, name: str, ins: list[torch.Tensor],
+                outs: list[torch.Tensor]) -> tuple[list[bool], list[bool]]:
+        """Which of the op's inputs and outputs are (or, in the plan, were) in the target dtype."""
+        plan = self.plan
+        if plan is None:
+            return [t.dtype == self.target for t in ins], [t.dtype == self.target for t in outs]
+        ref = plan[index] if index < len(plan) else None
+        if ref is None or ref.name != name or len(ref.ins) != len(ins) or len(ref.outs) != len(outs):
+            return [True] * len(ins), [True] * len(outs)  # the passes parted: measure it all (said by paired())
+        return [d == self.target for d in ref.ins], [d == self.target for d in ref.outs]
 
     def _row(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> torch.Tensor:
         """The op's statistics in a few passes over its output: each magnitude put in one of five buckets -- zero,
@@ -184,12 +223,30 @@ class Recorder(TorchDispatchMode):
 
     def read(self) -> list[OpRecord]:
         """The recorded ops with their statistics (one host read; an op not measured has a row of zeros)."""
-        if not self.rows:
+        if not self.names:
             return []
         measured = [r.to("cpu") for r in self.rows if r is not None]
         values = iter(torch.stack(measured).tolist() if measured else [])
         table = [next(values) if r is not None else [0.0] * 6 for r in self.rows]
-        return [OpRecord(n, m, d, s) for n, m, d, s in zip(self.names, self.modules_of, self.dtypes, table)]
+        return [OpRecord(*row) for row in zip(self.names, self.modules_of, self.dtypes, table, self.in_dtypes,
+                                              self.out_dtypes, self.wheres)]
+
+
+_NOT_USER = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+_STDLIB = os.path.dirname(contextlib.__file__) + os.sep
+
+
+def user_line() -> str | None:
+    """``file:line in function`` of the innermost frame outside torch, torchdoctor and Python's own library: the line
+    of the model's code running the op (its forward, or a function it calls)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        stdlib = path.startswith(_STDLIB) and "-packages" + os.sep not in path  # (site-packages may sit inside)
+        if not (path.startswith(_NOT_USER) or stdlib or path.startswith("<")):
+            return f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return None
 
 
 def paired(fp32_ops: list[OpRecord], narrow_ops: list[OpRecord]) -> bool:

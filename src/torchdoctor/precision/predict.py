@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .grads import LOW_EXP, Producer
 from .ops import FLUSHED, IN_MAX, NONZERO, OUT_MAX, SUBNORMAL
-from .probe import LOW_EXP, Probe
+from .probe import Probe
 
 RISK_FACTOR = 2.0  # within this factor of the dtype's largest value: at risk
 FLUSH_SHARE = 0.01  # a module whose values flush to zero at least this often is worth a line
@@ -36,6 +37,12 @@ class Site:
     dtype_max: float
     reaches_output: bool = True  # in the target dtype's forward, the module's output went non-finite (an inf
     #                              inside that a saturating function absorbs -- tanh(inf) = 1 -- does not)
+    where: str | None = None  # the model's own code (module ""): the line computing it, "file:line in function"
+
+    @property
+    def name(self) -> str:
+        """The module, or the model's own code named by its line."""
+        return self.module or model_code(self.where)
 
     @property
     def headroom(self) -> float:
@@ -48,7 +55,13 @@ class Site:
 
     def to_json(self) -> dict:
         return {"module": self.module, "class": self.cls, "op": self.op, "peak": self.peak,
-                "headroom": self.headroom, "headroom_bits": round(self.bits, 2), "reaches_output": self.reaches_output}
+                "headroom": self.headroom, "headroom_bits": round(self.bits, 2), "reaches_output": self.reaches_output,
+                "where": self.where}
+
+
+def model_code(where: str | None) -> str:
+    """How the model's own code (its forward, outside any submodule) is named."""
+    return f"(the model) at {where}" if where else "(the model)"
 
 
 @dataclass
@@ -57,20 +70,30 @@ class Underflow:
     flushed: float  # share of its nonzero values that become 0
     subnormal: float  # share that become subnormal (fewer significant bits)
     values: int
+    where: str | None = None  # the model's own code (module ""): its first such line
+
+    @property
+    def name(self) -> str:
+        return self.module or model_code(self.where)
 
     def to_json(self) -> dict:
-        return {"module": self.module, "flushed": self.flushed, "subnormal": self.subnormal, "values": self.values}
+        return {"module": self.module, "flushed": self.flushed, "subnormal": self.subnormal, "values": self.values,
+                "where": self.where}
 
 
 @dataclass
 class LossScale:
-    """Which powers of two keep the scaled gradients inside fp16: none overflows up to ``max_power``, at most
-    :data:`FLUSH_SHARE` of the nonzero ones flush to zero from ``min_power`` on."""
+    """Which powers of two the measured gradients predict keep the scaled gradients inside fp16: no gradient the
+    fp16 backward computes (activations and the parameters fp16 ops read) overflows up to ``max_power``; at most
+    :data:`FLUSH_SHARE` of the nonzero parameter gradients -- what the optimizer sees -- flush to zero from
+    ``min_power`` on (an activation's gradient far below the others of its tensor is no loss: its share of the sums
+    it feeds is what the parameters' gradients show). A prediction: :func:`~.fix.check_scales` runs the backward
+    at the scales it names, and the verdict follows the checks."""
 
     grad_peak: float
     max_power: int | None  # None: no gradient measured
     min_power: int | None  # None: no power keeps the small gradients
-    flushed_unscaled: float  # share of nonzero gradients that flush to zero with no scaling
+    flushed_unscaled: float  # share of nonzero parameter gradients that flush to zero with no scaling
     flushed_at: dict[int, float] = field(default_factory=dict)  # power -> share flushed
 
     @property
@@ -91,6 +114,22 @@ class LossScale:
 
 
 @dataclass
+class Fp32Fault:
+    """The fp32 passes themselves are not finite: no dtype question can be answered before that is fixed."""
+
+    loss: float  # the fp32 loss
+    params: list[str]  # parameters whose fp32 gradient is inf/nan
+    first: Producer | None  # the first watched tensor whose fp32 gradient went inf/nan, in backward order
+    tensors: int  # watched tensors whose gradient went inf/nan
+
+    def to_json(self) -> dict:
+        first = self.first
+        return {"loss": self.loss, "params": self.params, "tensors": self.tensors,
+                "first": None if first is None else {"op": first.op, "module": first.module,
+                                                     "read_by": first.consumers}}
+
+
+@dataclass
 class Prediction:
     target: torch.dtype
     dtype_max: float
@@ -105,12 +144,14 @@ class Prediction:
     loss_scale: LossScale | None  # fp16 only
     observed_first: str | None  # the first module whose output went non-finite in the target dtype's forward
     notes: list[str] = field(default_factory=list)
+    buffers_over: list[tuple[str, float]] = field(default_factory=list)  # buffers a cast of the model makes inf
+    fp32_fault: Fp32Fault | None = None
 
     @property
     def overflows(self) -> bool:
-        scale = self.loss_scale  # (no gradient measured: nothing said about the loss scale)
-        return bool(self.overflow or self.weights_over or self.observed_first
-                    or (scale is not None and scale.max_power is not None and not scale.works))
+        """An overflow in the forward (predicted, or seen in the target dtype's pass), or weights beyond the range;
+        the loss scale is judged by its checks (:func:`~.fix.check_scales`)."""
+        return bool(self.overflow or self.weights_over or self.observed_first)
 
 
 def _module_sites(probe: Probe, dtype_max: float) -> list[Site]:
@@ -118,13 +159,14 @@ def _module_sites(probe: Probe, dtype_max: float) -> list[Site]:
     best: dict[str, Site] = {}
     classes = {m.name: m.cls for m in probe.modules.values()}
     for wide, narrow in zip(probe.fp32_ops, probe.narrow_ops):
-        if narrow.dtype != probe.target:
+        if not narrow.computes(probe.target):
             continue
         peak = max(wide.stats[OUT_MAX], wide.stats[IN_MAX])
         site = best.get(wide.module)
         if site is None or peak > site.peak:
             op = wide.name if wide.stats[OUT_MAX] >= wide.stats[IN_MAX] else f"{wide.name} (its input)"
-            best[wide.module] = Site(wide.module, classes.get(wide.module, "?"), op, peak, dtype_max)
+            best[wide.module] = Site(wide.module, classes.get(wide.module, "?"), op, peak, dtype_max,
+                                     where=wide.where)
     order = {name: i for i, name in enumerate(probe.modules)}
     return sorted(best.values(), key=lambda s: order.get(s.module, -1))
 
@@ -137,14 +179,17 @@ def _underflow(probe: Probe) -> list[Underflow]:
     """Per module, the share of the values it computes in the target dtype that the dtype flushes to zero or makes
     subnormal, counted on their fp32 values (in the narrow pass they are already gone)."""
     per: dict[str, list[float]] = {}
+    where: dict[str, str | None] = {}
     for wide, narrow in zip(probe.fp32_ops, probe.narrow_ops):
-        if narrow.dtype != probe.target:
+        if not narrow.computes(probe.target):
             continue
         row = per.setdefault(wide.module, [0.0, 0.0, 0.0])
         row[0] += wide.stats[NONZERO]
         row[1] += wide.stats[FLUSHED]
         row[2] += wide.stats[SUBNORMAL]
-    out = [Underflow(m, f / n, s / n, int(n)) for m, (n, f, s) in per.items() if n]
+        if wide.stats[FLUSHED] or wide.stats[SUBNORMAL]:
+            where.setdefault(wide.module, wide.where)
+    out = [Underflow(m, f / n, s / n, int(n), where.get(m)) for m, (n, f, s) in per.items() if n]
     out = [u for u in out if u.flushed >= FLUSH_SHARE or u.subnormal >= SUBNORMAL_SHARE]
     return sorted(out, key=lambda u: (-u.flushed, -u.subnormal))
 
@@ -162,12 +207,14 @@ def _flushed_share(hist: list[float], power: int, target: torch.dtype) -> float:
 
 
 def loss_scale(probe: Probe, dtype_max: float) -> LossScale:
-    hist, peak = probe.grad_hist, probe.grad_peak
+    peak = probe.grads.peak
+    hist = probe.grads.param_hist if sum(probe.grads.param_hist) else probe.grads.act_hist
     if not sum(hist) or peak <= 0 or not math.isfinite(peak):
         return LossScale(peak, None, None, 0.0)
     max_power = math.floor(math.log2(dtype_max / RISK_FACTOR / peak))
-    flushed = {k: _flushed_share(hist, k, probe.target) for k in range(max_power - 64, max_power + 1)}
-    min_power = next((k for k in sorted(flushed) if flushed[k] <= FLUSH_SHARE), None)
+    flushed = {k: _flushed_share(hist, k, probe.target)
+               for k in range(max_power - 64, max(max_power, DEFAULT_SCALE_POWER) + 1)}  # (a check may go above)
+    min_power = next((k for k in sorted(flushed) if k <= max_power and flushed[k] <= FLUSH_SHARE), None)
     return LossScale(peak, max_power, min_power, _flushed_share(hist, 0, probe.target), flushed)
 
 
@@ -192,15 +239,20 @@ def predict(probe: Probe) -> Prediction:
     if observed is not None and not any(s.module == observed for s in overflow):
         info = probe.modules[observed]
         overflow.insert(0, Site(observed, info.cls, "output", info.out_max, dtype_max))
-        notes.append(f"in the {_name(target)} forward {observed} went non-finite first, though no value it computes "
-                     f"in {_name(target)} is beyond the range in fp32 (an op outside autocast's lists, or rounding)")
+        notes.append(f"in the {_name(target)} forward {observed or '(the model)'} went non-finite first, though no "
+                     f"value it computes in {_name(target)} is beyond the range in fp32 (an op outside autocast's "
+                     "lists, or rounding)")
     weights_over = [(n, m) for n, m, _, _ in probe.weights if m > dtype_max]
+    buffers_over = [(n, m) for n, m, _, _ in probe.buffers if m > dtype_max]
     weights_at_risk = [(n, m) for n, m, _, _ in probe.weights if dtype_max / RISK_FACTOR < m <= dtype_max]
     weights_flushed = [(n, f / k) for n, _, f, k in probe.weights if k and f / k >= FLUSH_SHARE]
     scale = loss_scale(probe, dtype_max) if target == torch.float16 else None
     underflow = _underflow(probe) if probe.paired else []
+    g = probe.grads
+    fault = (Fp32Fault(probe.loss, g.nonfinite_params, g.first_nonfinite, g.nonfinite_tensors)
+             if not math.isfinite(probe.loss) or g.nonfinite_params or g.first_nonfinite else None)
     return Prediction(target, dtype_max, probe.paired, overflow, at_risk, absorbed, underflow, weights_over,
-                      weights_at_risk, weights_flushed, scale, observed, notes)
+                      weights_at_risk, weights_flushed, scale, observed, notes, buffers_over, fault)
 
 
 def predict_model(model, batch, target: torch.dtype = torch.float16, device: str = "cpu") -> Prediction:
