@@ -169,27 +169,39 @@ def _first_line(e: BaseException) -> str:
 
 
 def _cannot_run(loaded, error: BaseException, dtype: str, device: str, what: str) -> None:
-    """The target dtype's pass raised: if the fp32 forward and backward run, the model cannot run in ``dtype`` on
-    this device (:class:`CannotRun`); if they raise too, it is the model's (or the batch's) own error."""
+    """The target dtype's pass raised ``error``. Said as what it is, each part checked: the fp32 forward and backward
+    raise too -> the model's (or the batch's) own error; a plain forward and backward under the target dtype's
+    autocast (no torchdoctor in it) raises -> the model cannot run in ``dtype`` on this device (:class:`CannotRun`);
+    neither -> the error is torchdoctor's own, raised as it is."""
+    import torch
 
     from .load import PrecisionUsageError
     from .probe import call, loss_of, seeded
 
-    try:
-        with seeded():
-            loss, _ = loss_of(call(loaded.model, loaded.batch))
-        if loss.requires_grad:
-            loss.backward()
-    except Exception as e:  # noqa: BLE001
-        raise PrecisionUsageError(f"the model's forward or backward on the batch raised {type(e).__name__}: "
-                                  f"{_first_line(e)}") from None
-    finally:
-        for p in loaded.model.parameters():
-            p.grad = None
+    def forward_backward(target: torch.dtype | None) -> BaseException | None:
+        try:
+            with seeded(), torch.autocast(device.split(":")[0], dtype=target, enabled=target is not None):
+                loss, _ = loss_of(call(loaded.model, loaded.batch))
+            if loss.requires_grad:
+                loss.float().backward()
+        except Exception as e:  # noqa: BLE001 -- whatever the model raises is the answer
+            return e
+        finally:
+            for p in loaded.model.parameters():
+                p.grad = None
+        return None
+
+    fp32 = forward_backward(None)
+    if fp32 is not None:
+        raise PrecisionUsageError(f"the model's forward or backward on the batch raised {type(fp32).__name__}: "
+                                  f"{_first_line(fp32)}") from None
+    own = forward_backward(getattr(torch, DTYPES[dtype]))
+    if own is None:
+        raise error  # not the model's: the model runs in that dtype without torchdoctor around it
     kind = device.split(":")[0]
     other = "bf16" if dtype == "fp16" else "fp16"
     fix = [f"measure it where it will train (--device cuda on a machine with a GPU): {kind}'s autocast kernels are "
            f"not CUDA's", f"or --dtype {other}, if you may train in it"]
-    raise CannotRun(f"the model runs in fp32 but its {what} under {dtype} autocast on {kind} raised "
-                    f"{type(error).__name__}: {_first_line(error)}", f"{type(error).__name__}: {_first_line(error)}",
+    said = f"{type(own).__name__}: {_first_line(own)}"
+    raise CannotRun(f"the model runs in fp32 but its {what} under {dtype} autocast on {kind} raised {said}", said,
                     device, fix) from None
