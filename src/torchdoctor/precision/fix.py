@@ -165,9 +165,9 @@ def find_regions(model: nn.Module, batch: Any, probe: Probe, prediction: Predict
     flagged: list[str] = []
     while True:
         if "" in regions:
-            return FixResult(_outermost(regions - {""}), False, rounds, flagged, 1.0, loss,
+            return FixResult(_outermost(regions - {""}), False, rounds, flagged or [""], 1.0, loss,
                              "a value computed by the model's own code between modules (or its loss) is out of "
-                             "range: no module to keep in fp32")
+                             "range or within 2x of it: no module to keep in fp32")
         current = _outermost(regions)
         share = _param_share(model, current)
         if share > MAX_PARAM_SHARE:

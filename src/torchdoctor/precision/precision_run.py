@@ -130,8 +130,10 @@ def _run(args: argparse.Namespace) -> int:
             fix = find_regions(loaded.model, loaded.batch, probe, prediction) if needs_fix else None
             scale = prediction.loss_scale
             steps = prediction.fp32_fault is None or not prediction.fp32_fault.params  # (else no scale can step)
-            checks = (check_scales(loaded.model, loaded.batch, probe, fix.regions if fix else [], scale)
-                      if scale is not None and steps and (fix is None or fix.verified) else [])
+            clean = fix is None or fix.verified or not prediction.overflows  # a forward the backward can follow
+            regions = fix.regions if fix is not None and fix.verified else []
+            checks = (check_scales(loaded.model, loaded.batch, probe, regions, scale)
+                      if scale is not None and steps and clean else [])
         except Exception as e:  # noqa: BLE001 -- the fp32 passes ran: the target dtype's forward+backward did not
             _cannot_run(loaded, e, args.dtype, device, "forward and backward")
         times["verify_s"] = time.perf_counter() - t1

@@ -24,9 +24,10 @@ def verdict(prediction: Prediction, fix: FixResult | None, checks: list[ScaleChe
 
 
 def failed(prediction: Prediction, fix: FixResult | None, checks: list[ScaleCheck]) -> bool:
-    """An overflow (forward, weights), an unfixed one, or no loss scale that keeps the gradients: every one checked
-    overflowed, or the largest that did not flushes too many of the parameters' gradients to zero."""
-    if prediction.overflows or (fix is not None and not fix.verified):
+    """An overflow (forward, weights), or no loss scale that keeps the gradients: every one checked overflowed, or
+    the largest that did not flushes too many of the parameters' gradients to zero. (A fix not found for values
+    only near the range is a warning.)"""
+    if prediction.overflows:
         return True
     if not checks or prediction.loss_scale is None:
         return False
@@ -99,7 +100,8 @@ def judge(prediction: Prediction, fix: FixResult | None, checks: list[ScaleCheck
             {"buffers": prediction.buffers_over}))
     if fix is not None and not fix.verified:
         out.append(Finding(
-            "precision.no-region-fix", "fail", f"no small fp32 region fixes it: {fix.reason}",
+            "precision.no-region-fix", "fail" if prediction.overflows else "warn",
+            f"no small fp32 region fixes it: {fix.reason}",
             [f"tried: {', '.join(fix.regions) or '(none)'}; still out of range: "
              f"{', '.join(r or '(the model)' for r in fix.remaining) or '?'}"],
             _own_code_fix(prediction.overflow + prediction.at_risk, device) + BF16, fix.to_json()))
@@ -177,8 +179,9 @@ def scale_finding(scale: LossScale, checks: list[ScaleCheck], fix: FixResult | N
                                                            if c.overflowed else "kept every gradient finite")
                  for c in checks]
     if not checks:
-        why = ("the forward overflows and no fp32 region fixes it" if fix is not None and not fix.verified
-               else "parameter gradients are inf/nan in fp32 already" if broken else "no backward was run")
+        why = ("parameter gradients are inf/nan in fp32 already" if broken else
+               "the forward overflows and no fp32 region fixes it" if fix is not None and not fix.verified
+               else "no backward was run")
         return Finding("precision.loss-scale", "info", f"loss scale, predicted only ({why}, so not checked): "
                        + predicted, evidence, [], data)
     power, flushed = scale_outcome(scale, checks)
