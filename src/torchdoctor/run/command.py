@@ -52,14 +52,16 @@ import time
 from ..runvars import REPORT_DIR_VAR
 
 EXIT_USAGE, EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND = 2, 126, 127
-USAGE = ("torchdoctor run [--log FILE] [--json FILE] [--interval S] [--report-dir DIR] [--numerics [--grads G] "
-         "[--trace-steps LIST] [--abort-after-step N]] -- CMD [ARG ...]")
+USAGE = ("torchdoctor run [--log FILE] [--json FILE] [--interval S] [--report-dir DIR] [--hang-after S|off] "
+         "[--no-flight] [--numerics [--grads G] [--trace-steps LIST] [--abort-after-step N]] -- CMD [ARG ...]")
 EXAMPLES = [
     ("torchdoctor run --numerics -- torchrun --nproc_per_node 8 train.py",
      "find the first module that goes inf/nan, no code change"),
     ("torchdoctor run -- python train.py", "run it; explain how it ended, on stderr"),
     ("torchdoctor run --log train.log -- torchrun --nproc_per_node 8 train.py", "keep the output too"),
     ("torchdoctor run --json report.json -- deepspeed train.py --deepspeed ds.json", "the report as JSON"),
+    ("torchdoctor run --hang-after 60 -- torchrun --nproc_per_node 8 train.py",
+     "a job that hangs: after 60 s without progress, the culprit rank, why, and where it was; then it is ended"),
 ]
 EXIT_CODES = [("the command's own", "(128 + N when signal N killed it)"), (EXIT_NOT_FOUND, "command not found"),
               (EXIT_NOT_EXECUTABLE, "cannot be executed"), (EXIT_USAGE, "bad usage")]
@@ -72,6 +74,18 @@ def _interval(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not (math.isfinite(v) and v >= 0.01):
         raise argparse.ArgumentTypeError(f"must be at least 0.01 seconds, got {text!r}")
+    return v
+
+
+def _hang_after(text: str) -> float:
+    if text.strip().lower() in ("off", "never", "0"):
+        return 0.0
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds or 'off': {text!r}") from None
+    if not (math.isfinite(v) and v >= 0.5):
+        raise argparse.ArgumentTypeError(f"must be at least 0.5 seconds (or 'off'), got {text!r}")
     return v
 
 
@@ -89,9 +103,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Default: a new folder per run, ./torchdoctor-reports/run-<date>-<time>-<pid>, made only "
                              "when there is a report to write")
     parser.add_argument("--no-flight", action="store_true",
-                        help="leave PyTorch's Flight Recorder as it is: by default a distributed job runs with it on "
-                             "and each rank writes its records as it ends badly, for the comm.hang finding (which "
-                             "rank never entered which collective, and where each side was)")
+                        help="leave a distributed job as it is: by default it runs with PyTorch's Flight Recorder on, "
+                             "each rank keeps a status file (its init_process_group call, a heartbeat, how it "
+                             "ended) and writes its records as it ends badly, for one verdict on a failure: the "
+                             "culprit rank, the class, its call site")
+    parser.add_argument("--hang-after", metavar="S", type=_hang_after, default=None,
+                        help="when no rank of a distributed job has made progress for S seconds while one waits in a "
+                             "collective, collect every rank's state, print the verdict and end the job ('off': only "
+                             "after it ends; default: a quarter of the job's collective timeout, at most 120 s)")
     from .switch import add_arguments as add_numerics_arguments
 
     add_numerics_arguments(parser)
@@ -110,13 +129,38 @@ def run_report_dir() -> str:
     return os.path.join(os.getcwd(), "torchdoctor-reports", f"run-{stamp}-{os.getpid()}")
 
 
-def _remove_empty(*dirs: str | None) -> None:
+def _remove_empty(*dirs: str | None) -> bool:
+    """Remove each folder that is empty, in order, stopping at the first that is not; whether the first went."""
+    first = True
     for d in dirs:
         if d:
             try:
                 os.rmdir(d)  # only when empty
             except OSError:
-                return
+                return not first
+        first = False
+    return True
+
+
+def _removed(findings: list, folder: str) -> list:
+    """The findings, with a mention of ``folder`` (removed: it held nothing) saying so."""
+    import dataclasses
+
+    said = f"{folder} (removed again: nothing was written to it)"
+    return [dataclasses.replace(f, evidence=[e.replace(folder, said) if folder in e else e for e in f.evidence])
+            if any(folder in e for e in f.evidence) else f for f in findings]
+
+
+def _say_verdict(watch, report_dir: str, prefix: str | None, cmd: list[str]) -> None:
+    """The verdict on a hung (or interrupted) job, printed at once -- before the job is ended."""
+    from ..findings import render_text, use_color
+    from . import flight
+
+    found = flight.findings(report_dir, prefix or os.path.join(report_dir, "nccl_trace_rank_"), watch, live=True)
+    head = [f for f in found if f.severity in ("fail", "warn")][:1]
+    print(f"\ntorchdoctor run: {watch.trigger} -- every rank's state collected; ending the job", file=sys.stderr)
+    if head:
+        print(render_text(head, color=use_color(sys.stderr), with_summary=False), file=sys.stderr, flush=True)
 
 
 def _say(msg: str) -> None:
@@ -175,28 +219,42 @@ def run(args: argparse.Namespace) -> int:
 
         numerics = switch.options(args, report_dir)
         started = time.time()
+        watch = result = None
         try:
             env = switch.environment(numerics) if numerics is not None else {}
             prefix = None
             if not getattr(args, "no_flight", False):
                 from . import flight
+                from .watch import Watch
 
-                more, prefix = flight.environment(report_dir, {**os.environ, **env})
+                hang_after = getattr(args, "hang_after", None)
+                more, prefix = flight.environment(report_dir, {**os.environ, **env}, flight.period_for(hang_after))
                 env = {**env, **more}
                 os.makedirs(report_dir, exist_ok=True)  # (NCCL's own dump on a timeout needs the folder)
-            result = run_command(cmd, log_file=log_file, interval=interval, report_dir=report_dir, env=env or None)
+                watch = Watch(report_dir, hang_after, time.monotonic())
+            result = run_command(cmd, log_file=log_file, interval=interval, report_dir=report_dir, env=env or None,
+                                 watch=watch, on_verdict=lambda w: _say_verdict(w, report_dir, prefix, cmd))
         except WrapError as e:
             _say(str(e))
             return e.exit_code
         except OSError as e:
             _say(f"cannot create the report folder {report_dir}: {e.strerror or e}")
             return EXIT_USAGE
+        finally:
+            if watch is not None:
+                watch.close()  # (its bookkeeping files go, whatever happened)
+            if not existed and result is None:
+                _remove_empty(report_dir, os.path.dirname(report_dir) if default_dir else None)
         if numerics is not None:
             result.findings.append(switch.attach_finding(report_dir, started))
         if prefix is not None:
-            result.findings += flight.findings(report_dir, prefix)
-        if not existed:  # a folder that holds nothing goes again (made only for a report)
-            _remove_empty(report_dir, os.path.dirname(report_dir) if default_dir else None)
+            from .headline import fold
+
+            result.findings = fold(result.findings, flight.findings(report_dir, prefix, watch, result),
+                                   ended_by_run=watch is not None and watch.ending_epoch is not None)
+        # a folder that holds nothing goes again (made only for a report)
+        if not existed and _remove_empty(report_dir, os.path.dirname(report_dir) if default_dir else None):
+            result.findings = _removed(result.findings, report_dir)
 
         shown = [f for f in result.findings if f.severity != "skip"]
         print(f"\n--- torchdoctor run: {cmdline(cmd)} ---", file=sys.stderr)

@@ -136,6 +136,10 @@ class Signals:
         self.sigints = 0
         self.killed_by_us = False
         self.old: dict[int, Any] = {}
+        #: asked on the first SIGINT / SIGTERM: True holds it back (``run`` first collects the hung job's state, then
+        #: :meth:`release` forwards it); a second signal is forwarded at once, the held one with it
+        self.hold: Any = None
+        self.held: list[int] = []
 
     def install(self) -> None:
         try:
@@ -175,8 +179,20 @@ class Signals:
                 os.write(2, b"\ntorchdoctor run: third interrupt -- sending SIGKILL to the command\n")
                 self.killed_by_us = True
                 sig = signal.SIGKILL
+        if sig in (signal.SIGINT, signal.SIGTERM) and not self.held and self.hold is not None and self.hold(sig):
+            self.held.append(sig)
+            return
+        self.release()
         self.forwarded.append((time.monotonic() - self.start, signame(sig)))
         self._send(sig)
+
+    def release(self) -> None:
+        """Forward the signals held back."""
+        held, self.held = self.held, []
+        self.hold = None  # (once: the next one goes straight on)
+        for sig in held:
+            self.forwarded.append((time.monotonic() - self.start, signame(sig)))
+            self._send(sig)
 
     def _stop(self, sig: int, frame: Any) -> None:  # Ctrl-Z: stop the command, then ourselves
         self._send(signal.SIGTSTP)

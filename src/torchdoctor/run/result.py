@@ -55,6 +55,7 @@ class RunResult:
     last_lines: list[str] = field(default_factory=list)  # the output's last error-looking lines
     log_error: str | None = None  # why --log stopped being written (a full disk), None when it was written whole
     cgroup_readable: bool = True  # whether a memory cgroup's limit could be read (False: a limit may be unseen)
+    log_kills: list[dict] = field(default_factory=list)  # processes the output says a signal killed (pid, rank, ...)
 
     @property
     def signal_name(self) -> str | None:

@@ -209,7 +209,7 @@ def read_kernel_oom(pids: set[int], since: float | None = None) -> KernelLog:
 
 def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
                 out_fd: int = 1, err_fd: int = 2, report_dir: str | None = None,
-                env: dict[str, str] | None = None) -> RunResult:
+                env: dict[str, str] | None = None, watch: Any = None, on_verdict: Any = None) -> RunResult:
     """Run ``argv``, pass its output through to ``out_fd``/``err_fd``, watch it, and say how it ended.
 
     Args:
@@ -220,6 +220,9 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         report_dir: where the numerics monitor's report files are looked for (besides the current directory);
             exported to the command as ``TORCHDOCTOR_REPORT_DIR``.
         env: more variables for the command's environment (``run --numerics``'s bootstrap).
+        watch: a :class:`~.watch.Watch` of the job's ranks: while the command runs, a hang (or the first Ctrl-C /
+            SIGTERM) makes it collect every rank's state; ``on_verdict(watch)`` is then called (to print the verdict
+            at once) and the job is ended.
 
     Raises:
         WrapError: the command could not be started (exit_code 127: not found, 126: not executable).
@@ -247,6 +250,9 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         start = time.monotonic()
         sigs.start = start
         sigs.attach(proc.pid)
+        if watch is not None:
+            watch.start = start
+            sigs.hold = lambda sig: bool(watch.procs) and watch.trigger is None
         analysis = Analysis()
         mem = Memory(proc.pid, start)
         mem.sample(start)
@@ -263,6 +269,8 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
                 pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
                 if pid:
                     status, exited_at = (st, ru), now
+                elif watch is not None:
+                    _watch_step(watch, now, sigs, proc.pid, on_verdict)
             elif now - exited_at > _DRAIN_MAX_S or now - max(exited_at, pump.last_data or exited_at) > _DRAIN_IDLE_S:
                 break  # the command is gone but something it started still holds the pipes
             pump.poll(0.1 if status is not None else max(0.0, min(next_sample - now, 0.25)))
@@ -272,10 +280,13 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
             status = (st, ru)
         end = exited_at if exited_at is not None else time.monotonic()
     finally:
+        sigs.release()
         sigs.restore()
         if proc is not None:
             if status is None:  # we failed (a bug): do not leave the command running unseen
                 terminate(proc.pid)
+            if watch is not None:
+                _end_ranks(watch, proc.pid)
             for f in (proc.stdout, proc.stderr):
                 if f is not None:
                     f.close()
@@ -303,7 +314,8 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
     # The kernel log is read (it can take a few seconds) when the command failed or was killed, when its output
     # says a process of it was SIGKILLed (a worker, a grandchild -- whatever the command's own exit status), and
     # when the cgroup's oom_kill counter rose.
-    sigkilled = [k for k in analysis.kills() if k["signum"] == signal.SIGKILL]
+    result.log_kills = analysis.kills()
+    sigkilled = [k for k in result.log_kills if k["signum"] == signal.SIGKILL]
     if code != 0 or sigkilled or oom_kills:
         result.kernel = read_kernel_oom(result.pids_seen | {k["pid"] for k in sigkilled if k["pid"]}, started_at)
     if sigkilled:  # the log's process.killed finding is judged with what we saw ourselves
@@ -332,6 +344,35 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
                                        evidence=[analysis.error], fix=[], data={}))
     result.findings += log_findings
     return result
+
+
+def _watch_step(watch: Any, now: float, sigs: Signals, root: int, on_verdict: Any) -> None:
+    """One look at the job's ranks; on a hang or a held signal: the verdict, then the end of the job."""
+    try:
+        action = watch.step(now, sigs.held, None)
+        if action == "judge":
+            if on_verdict is not None:
+                on_verdict(watch)
+            held = list(sigs.held)
+            sigs.release()
+            watch.end_job(root, held[0] if held else signal.SIGTERM)
+        elif action == "kill":
+            watch.kill_rest(root)
+    except Exception as e:  # noqa: BLE001 -- a bug here must not cost the run: say it, forward what was held
+        sigs.release()
+        with contextlib.suppress(OSError):
+            os.write(2, f"torchdoctor run: watching the ranks failed: {type(e).__name__}: {e}\n".encode())
+        watch.trigger = watch.trigger or "failed"
+        watch.verdict_done = True
+
+
+def _end_ranks(watch: Any, root: int) -> None:
+    """The command is gone: no rank of it is left behind (a stopped rank, one that ignored the end)."""
+    with contextlib.suppress(Exception):
+        watch.next_poll = 0.0
+        watch.poll(time.monotonic())
+        if any(p.local and p.state != "gone" for p in watch.procs.values()):
+            watch.kill_rest(root)
 
 
 def _numerics(findings: list[Finding], analysis: Analysis, report_dir: str | None, since: float) -> list[Finding]:

@@ -3,11 +3,15 @@ parted (:mod:`.analyze`), say it (:mod:`.findings`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...findings import Finding
 
 
-def _findings(folder: str, prefixes: tuple[str, ...] = (), also: tuple[str, ...] = ()) -> tuple[int, list[Finding]]:
-    """(ranks read, findings) for the dumps in ``folder`` and the folders ``also``; (0, []) when there is none."""
+def _findings(folder: str, prefixes: tuple[str, ...] = (), also: tuple[str, ...] = (), job: Any = None,
+              procs: Any = None) -> tuple[int, list[Finding]]:
+    """(ranks read, findings) for the dumps in ``folder`` and the folders ``also``; (0, []) when there is nothing:
+    no dump and nothing known of the ranks."""
     from .analyze import analyze
     from .dumps import read_folder
     from .findings import hang_findings
@@ -15,14 +19,17 @@ def _findings(folder: str, prefixes: tuple[str, ...] = (), also: tuple[str, ...]
     dumps = read_folder(folder, prefixes)
     for other in also:
         read_folder(other, prefixes, dumps)
-    if not dumps.ranks and not dumps.problems:
+    if not dumps.ranks and not dumps.problems and not (job is not None and job.ranks) and not procs:
         return 0, []
-    return len(dumps.ranks), hang_findings(dumps, analyze(dumps), folder)
+    return len(dumps.ranks), hang_findings(dumps, analyze(dumps), folder, job, procs)
 
 
-def post_mortem(folder: str, prefixes: tuple[str, ...] = (), also: tuple[str, ...] = ()) -> list[Finding]:
-    """The findings for the dumps in ``folder`` and the folders ``also`` (none: an empty list)."""
-    return _findings(folder, prefixes, also)[1]
+def post_mortem(folder: str, prefixes: tuple[str, ...] = (), also: tuple[str, ...] = (), job: Any = None,
+                procs: Any = None) -> list[Finding]:
+    """The findings for the dumps in ``folder`` and the folders ``also``, with what ``torchdoctor run`` saw of the ranks
+    (``job``: a :class:`.facts.JobFacts`; ``procs``: every process that called ``init_process_group``); none: an
+    empty list."""
+    return _findings(folder, prefixes, also, job, procs)[1]
 
 
 class FolderReport:

@@ -37,7 +37,7 @@ class Call:
     frames: Frames
 
     def shape(self) -> str:
-        return f"{self.op} {self.in_sizes} {'/'.join(self.in_dtypes) or '?'}"
+        return f"{self.op} {self.in_sizes} {'/'.join(self.in_dtypes) or '?'}" if self.in_sizes else self.op
 
 
 @dataclass
@@ -102,12 +102,20 @@ def _group_desc(dumps: Dumps, name: str) -> tuple[str, list[int] | None]:
 
 
 def _completed(dump: RankDump, name: str, calls: dict[int, Call]) -> int | None:
+    """The last collective the rank completed -- as far as it can be trusted: gloo counts a collective that ended in an
+    error (a timeout, a lost peer) as completed, so a rank whose dump comes from an exception has completed only what
+    came before the collective it last entered."""
     status = (dump.fr.get("pg_status") or {}).get(name)
+    value = None
     if isinstance(status, dict) and isinstance(status.get("last_completed_collective"), int):
-        value = status["last_completed_collective"]
-        return value if value >= 0 else None
-    done = [s for s, c in calls.items() if c.state == "completed"]
-    return max(done) if done else None
+        value = status["last_completed_collective"] if status["last_completed_collective"] >= 0 else None
+    else:
+        done = [s for s, c in calls.items() if c.state == "completed"]
+        value = max(done) if done else None
+    entered = max(calls) if calls else 0
+    if value is not None and value >= entered and (dump.reason or "").startswith("exception"):
+        value = entered - 1 if entered > 1 else None
+    return value
 
 
 def _numel(sizes: list) -> int:
@@ -177,7 +185,8 @@ def analyze(dumps: Dumps) -> list[Parting]:
                 parting.seq = top
                 parting.call = next((c[top] for c in by_rank.values() if top in c), None)
                 parting.waiting = sorted(r for r in by_rank if completed.get(r) != top)
-                parting.waiting_frames = parting.call.frames if parting.call else []
+                parting.waiting_frames = (parting.call.frames if parting.call else []) or \
+                    (dumps.ranks[parting.waiting[0]].stack if parting.waiting else [])
                 parting.missing = list(no_dump)  # (every rank with records entered it: a rank without one is suspect)
         parting.missing_stacks = {r: dumps.ranks[r].stack for r in parting.missing if r in dumps.ranks}
         common = min(entered.values(), default=0)

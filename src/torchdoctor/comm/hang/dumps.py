@@ -62,6 +62,7 @@ class RankDump:
     pid: int | None = None
     run_id: str | None = None  # the job it belongs to (torchrun's run id, or the master address and port)
     world_size: int | None = None  # the job's ranks (torchdoctor's dumps say; Flight Recorder's pickles do not)
+    time: float | None = None  # when it was written (seconds since the epoch; torchdoctor's dumps)
 
 
 @dataclass
@@ -132,8 +133,10 @@ def read_file(path: str, rank_hint: int | None = None) -> RankDump:
     if fr is None:
         fr = {"entries": [], "pg_config": {}, "pg_status": {}, "version": None}
     world = doc.get("world_size")
+    when = doc.get("time")
     return RankDump(doc["rank"], path, _check_fr(fr), doc.get("host"), doc.get("reason"), frames_of(doc.get("stack")),
-                    doc.get("pid"), doc.get("run_id"), world if isinstance(world, int) and world > 0 else None)
+                    doc.get("pid"), doc.get("run_id"), world if isinstance(world, int) and world > 0 else None,
+                    float(when) if isinstance(when, (int, float)) else None)
 
 
 def read_folder(folder: str, prefixes: tuple[str, ...] = (), out: Dumps | None = None) -> Dumps:

@@ -7,6 +7,7 @@ import os
 from ...findings import Finding
 from .analyze import Frames, Parting
 from .dumps import Dumps
+from .facts import JobFacts, RankFacts
 
 _LIBRARY = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep, os.sep + "lib" + os.sep + "python")
 SHOWN_FRAMES = 4
@@ -30,72 +31,27 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def hang_findings(dumps: Dumps, partings: list[Parting], source: str) -> list[Finding]:
-    """``comm.hang`` / ``comm.collective-mismatch`` per process group that parted, ``comm.flight-records`` when
-    none did, ``comm.dump-unreadable`` for the files that could not be read. ``source``: where the dumps are."""
+def hang_findings(dumps: Dumps, partings: list[Parting], source: str, job: JobFacts | None = None,
+                  procs: list[RankFacts] | None = None) -> list[Finding]:
+    """The verdict (:mod:`.verdict`: ``comm.<class>``, the culprit first) when something failed or hung;
+    ``comm.dump-unreadable`` for the files that could not be read; without a verdict, ``comm.flight-stacks`` /
+    ``comm.flight-incomplete`` / ``comm.flight-records`` say what the records do show. ``source``: where the dumps
+    are; ``job``: what ``torchdoctor run`` saw of the ranks (None: the dumps alone)."""
+    from .verdict import judge
+
     out: list[Finding] = []
     data_common = {"dumps": source, "ranks_read": sorted(dumps.ranks)}
-    for p in partings:
-        if p.mismatch is not None:
-            state, seq, calls = p.mismatch
-            out.append(Finding(
-                "comm.collective-mismatch", "fail",
-                f"process group {p.group}: at collective {seq} the ranks called different things ({state})",
-                [f"rank {r}: {c}" for r, c in sorted(calls.items())],
-                ["every rank must call the same collective with the same sizes and dtypes at each step: look for a "
-                 "branch on the rank or on data that differs per rank before that call"],
-                {**data_common, "group": p.group, "seq": seq, "state": state, "calls": calls}))
-        if p.seq is None:
-            continue
-        call = p.call
-        what = f"collective {p.seq}" + (f" ({call.shape()})" if call else "")
-        if p.missing:
-            last = ", ".join(f"rank {r}: {p.last_entered.get(r) or 'none'}" + (
-                f" (completed: {p.last_completed[r]})" if p.last_completed.get(r) is not None else "")
-                for r in p.missing if r in p.last_entered)
-            title = (f"the job hung in process group {p.group} at {what}: {_ranks(p.missing)} never entered it"
-                     + (f"; {_ranks(p.waiting)} wait in it" if p.waiting else ""))
-            evidence = []
-            for r in p.missing:
-                stack = p.missing_stacks.get(r)
-                if stack:
-                    why = dumps.ranks[r].reason if r in dumps.ranks else None
-                    evidence.append(f"rank {r} was at {where(stack)}" + (f" ({why})" if why else ""))
-                elif r in dumps.ranks:
-                    evidence.append(f"rank {r}: its dump records collectives only, not where it was (torchdoctor "
-                                    "run's dumps add the rank's stack)")
-                else:
-                    evidence.append(f"rank {r}: no dump (killed before it could write one, or on a host whose "
-                                    "report folder was not collected)")
-            if last:
-                evidence.append(f"last collective entered by the missing rank(s): {last}")
-            if p.waiting:
-                evidence.append(f"{_ranks(p.waiting)} called it at {where(p.waiting_frames)}")
-            fix = [f"{_ranks(p.missing)} did not reach that call: a branch on the rank, a data loader that ran out "
-                   "of batches on that rank first, an exception caught on that rank, or a rank stuck before it "
-                   "(its stack above). Every rank must reach every collective in the same order."]
-        else:
-            title = (f"the job hung in process group {p.group} at {what}: every rank entered it, "
-                     f"{_ranks(p.waiting)} never completed it")
-            evidence = [f"{_ranks(p.waiting)} called it at {where(p.waiting_frames)}"]
-            fix = ["every rank arrived: the transfer itself did not finish -- a dead link or device, or a peer "
-                   "process that died; run `torchdoctor comm` on the same hosts to test every link"]
-        if p.no_dump:
-            evidence.append(f"no dump from {_ranks(p.no_dump)}")
-        out.append(Finding("comm.hang", "fail", title, evidence, fix, {
-            **data_common, "group": p.group, "seq": p.seq, "op": call.op if call else None,
-            "sizes": call.in_sizes if call else None, "dtypes": call.in_dtypes if call else None,
-            "missing": p.missing, "waiting": p.waiting, "last_entered": p.last_entered,
-            "last_completed": p.last_completed, "no_dump": p.no_dump,
-            "missing_stacks": {r: [list(f) for f in s] for r, s in p.missing_stacks.items()},
-            "waiting_stack": [list(f) for f in p.waiting_frames]}))
+    job = job if job is not None else JobFacts(world_size=dumps.world_size)
+    verdict = judge(dumps, partings, job, procs)
+    if verdict is not None:
+        out.append(verdict.finding())
     if dumps.problems:
         out.append(Finding("comm.dump-unreadable", "warn",
                            f"{len(dumps.problems)} Flight Recorder dump file(s) could not be used",
                            list(dumps.problems), [], {"problems": list(dumps.problems)}))
-    parted = any(f.id in ("comm.hang", "comm.collective-mismatch") for f in out)
+    parted = verdict is not None
     if dumps.ranks and not dumps.entries:  # the recorder was off (TORCH_FR_BUFFER_SIZE=0) or recorded nothing
-        out.insert(0, Finding(
+        out.insert(0 if verdict is None else 1, Finding(
             "comm.flight-stacks", "warn",
             f"Flight Recorder recorded no collective in the {len(dumps.ranks)} dump(s), so where the ranks parted is "
             "unknown; where each rank was when it ended:",

@@ -1,0 +1,167 @@
+"""The verdict's parts on inputs written here: NCCL RAS output in the format NCCL's client writes, the slow-rank rule,
+the init_process_group comparison, the class order (a cause before its consequences), and gloo's completion counter
+not taken as completion. The real jobs are in tests/test_hang_matrix.py."""
+
+from __future__ import annotations
+
+import json
+
+from torchdoctor.comm.hang import ras, slow
+from torchdoctor.comm.hang.analyze import analyze
+from torchdoctor.comm.hang.dumps import Dumps, RankDump
+from torchdoctor.comm.hang.facts import JobFacts, RankFacts
+from torchdoctor.comm.hang.init_check import check
+from torchdoctor.comm.hang.verdict import judge
+
+
+def ras_doc(comms: list[dict]) -> str:
+    """``ncclras -f json`` as NCCL's src/ras/client_support.cc writes it (jsonWriteHeader ... jsonWriteFooter)."""
+    return json.dumps({"nccl_version": "2.28.7", "cuda_runtime_version": 12080, "cuda_driver_version": 12080,
+                       "timestamp": "2026-01-01 00:00:00", "communicators_count": len(comms), "communicators": comms,
+                       "ras": {"collection_time_sec": 0.012, "timeouts_count": 0}}, indent=2)
+
+
+def ras_rank(rank: int, allreduce: int, error: int = 0, host: str = "node-a") -> dict:
+    counts = {"Broadcast": 1, "Reduce": 0, "AllGather": 4, "ReduceScatter": 0, "AllReduce": allreduce}
+    return {"rank": rank, "host": host, "pid": 1000 + rank, "cuda_dev": rank, "nvml_dev": rank,
+            "status": {"init_state": 0, "async_error": error, "finalize_called": False, "destroy_flag": False,
+                       "abort_flag": False}, "collective_counts": counts}
+
+
+def test_ras_names_missing_behind_and_failing_ranks():
+    text = ras_doc([{"hash": "0x1a2b", "secondary_hash": "0x3:0x4", "size": 4, "ranks_count": 3,
+                     "missing_ranks_count": 1,
+                     "ranks": [ras_rank(0, 120), ras_rank(1, 119), ras_rank(2, 120, error=6)],
+                     "missing_ranks": [{"rank": 3, "host": "node-b", "pid": 2003, "cuda_dev": 3, "nvml_dev": 3,
+                                        "status": {"unresponsive": True, "considered_dead": False}}]}])
+    comms, why = ras.parse(text)
+    assert why is None and len(comms) == 1
+    said = "\n".join(ras.lines(comms))
+    assert "rank 3 on node-b (pid 2003) is unresponsive" in said
+    assert "rank 1 ran 124 collectives, the others up to 125" in said
+    assert "rank 2 reports ncclRemoteError" in said
+    assert ras.suspects(comms) == [1, 2, 3]
+    assert all(line.startswith("NCCL RAS: ") for line in ras.lines(comms))
+
+
+def test_ras_text_output_and_damaged_json_are_said_not_guessed():
+    comms, why = ras.parse("Job summary\n===========\n")  # NCCL 2.24-2.27 write text only
+    assert comms == [] and why.startswith("not the JSON ncclras writes")
+    comms, why = ras.parse('{"nccl_version": "2.28.7"}')
+    assert comms == [] and "no communicators" in why or "without a communicators list" in why
+    healthy, _ = ras.parse(ras_doc([{"hash": "0x1", "size": 2, "ranks": [ras_rank(0, 10), ras_rank(1, 10)],
+                                     "missing_ranks": []}]))
+    assert ras.lines(healthy) == [] and ras.suspects(healthy) == []
+
+
+def timing(starts: list[float]) -> dict:
+    return {"0": [[i + 1, int(t * 1e9), "all_reduce"] for i, t in enumerate(starts)]}
+
+
+def test_the_slow_rule_names_the_rank_the_others_wait_for_and_nothing_in_a_healthy_job():
+    steps = [1.0 + i for i in range(8)]
+    fast = timing(steps)
+    late = timing([t + 0.6 for t in steps])  # 0.6 s after the others at every collective
+    found = slow.find({0: fast, 1: late, 2: timing([t + 0.01 for t in steps])})
+    assert found is not None and found.rank == 1 and found.big_at == 8
+    assert abs(found.big_lag_s - 0.59) < 0.02 and found.share > 0.9
+    jitter = [0.0, 0.003, 0.001, 0.004, 0.0, 0.002, 0.001, 0.003]  # scheduling noise only: nobody is slow
+    assert slow.find({0: fast, 1: timing([t + j for t, j in zip(steps, jitter)]), 2: fast}) is None
+    short = [1.0 + i * 0.01 for i in range(8)]  # a job of milliseconds: a large share of nothing is no finding
+    assert slow.find({0: timing(short), 1: timing([t + 0.005 for t in short])}) is None
+
+
+def proc(env_rank: int, pid: int, **init) -> RankFacts:
+    env = {"RANK": str(env_rank), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    record = {"backend": "gloo", "rank": None, "world_size": None, "init_method": None, "store": False,
+              "env": env, "stack": [["/job/train.py", 12, "setup"]], "done": None, "error": None}
+    record.update(init)
+    return RankFacts(env_rank, "h", pid, "running", init=record)
+
+
+def test_init_check_finds_the_odd_world_size_port_and_duplicate_rank():
+    found = check([proc(0, 10), proc(1, 11, world_size=4), proc(2, 12)])
+    assert found["what"] == "world size" and [c.pid for c in found["culprits"]] == [11]
+    assert found["expected"] == 3
+    found = check([proc(0, 10), proc(1, 11, init_method="tcp://localhost:29501"), proc(2, 12)])
+    assert found["what"] == "address" and [c.pid for c in found["culprits"]] == [11]
+    assert found["expected"] == "localhost:29500"  # 127.0.0.1 and localhost are one host
+    found = check([proc(0, 10), proc(1, 11, rank=0), proc(2, 12)])
+    assert found["what"] == "rank" and [c.pid for c in found["culprits"]] == [11]  # its RANK was 1: it is the odd one
+    assert check([proc(0, 10), proc(1, 11), proc(2, 12)]) is None
+
+
+def entries(n: int, op: str = "all_reduce", last: str | None = None) -> list[dict]:
+    out = []
+    for seq in range(1, n + 1):
+        name = last if last and seq == n else op
+        out.append({"collective_seq_id": seq, "is_p2p": False, "process_group": ("0", "default_pg"),
+                    "profiling_name": f"gloo:{name}", "input_sizes": [[4]], "input_dtypes": ["Float"],
+                    "output_sizes": [[4]], "output_dtypes": ["Float"], "state": "scheduled"})
+    return out
+
+
+def dump(rank: int, n: int, completed: int, reason: str, stack: list, last: str | None = None) -> RankDump:
+    fr = {"entries": entries(n, last=last), "pg_config": {"": {"name": "", "desc": "", "ranks": "[0, 1, 2]"}},
+          "pg_status": {"0": {"last_enqueued_collective": n, "last_started_collective": -1,
+                              "last_completed_collective": completed}}}
+    return RankDump(rank, f"torchdoctor-flight-rank{rank}.json", fr, "h", reason, stack, 100 + rank, "run", 3)
+
+
+WAIT = [("/job/train.py", 40, "step"), ("/venv/site-packages/torch/distributed/distributed_c10d.py", 3252,
+                                           "all_reduce")]
+
+
+def test_gloo_counting_a_timed_out_collective_as_completed_is_not_taken_for_completion():
+    """Every rank timed out in collective 9 (gloo then says 'completed: 9'): not a job where all completed."""
+    timeout = "exception: RuntimeError: Timed out waiting 6000ms for recv operation to complete"
+    dumps = Dumps({r: dump(r, 9, 9, timeout, WAIT) for r in range(3)})
+    [p] = analyze(dumps)
+    assert p.seq == 9 and not p.all_completed and p.waiting == [0, 1, 2]
+    assert all(c == 8 for c in p.last_completed.values())
+
+
+def test_a_rank_that_raised_is_the_culprit_and_the_others_timeouts_are_its_consequences():
+    timeout = "RuntimeError: Timed out waiting 6000ms for recv operation to complete"
+    dumps = Dumps({0: dump(0, 9, 9, "exception: " + timeout, WAIT), 2: dump(2, 9, 9, "exception: " + timeout, WAIT),
+                   1: dump(1, 8, 8, "exception: ValueError: bad batch", [("/job/train.py", 30, "load")])})
+    job = JobFacts(world_size=3)
+    for r in range(3):
+        d = dumps.ranks[r]
+        how = {"how": "exception", "error": d.reason.partition(": ")[2], "stack": [list(f) for f in d.stack],
+               "t": 100.0 + (0 if r == 1 else 6)}
+        job.ranks[r] = RankFacts(r, "h", 100 + r, "gone", end=how)
+    v = judge(dumps, analyze(dumps), job)
+    assert v.cls == "exception" and v.culprits == [1] and v.site == ("/job/train.py", 30, "load")
+    text = "\n".join(v.evidence)
+    assert "rank 0 then failed with RuntimeError: Timed out" in text and "(a consequence)" in text
+
+
+def test_a_mismatch_blames_the_minority_and_two_ranks_blame_nobody():
+    dumps = Dumps({0: dump(0, 5, 4, "requested", WAIT), 2: dump(2, 5, 4, "requested", WAIT),
+                   1: dump(1, 5, 4, "requested", [("/job/train.py", 44, "gather")], last="all_gather")})
+    v = judge(dumps, analyze(dumps), JobFacts(world_size=3))
+    assert v.cls == "collective-mismatch" and v.culprits == [1] and v.site == ("/job/train.py", 44, "gather")
+    two = Dumps({0: dump(0, 5, 4, "requested", WAIT),
+                 1: dump(1, 5, 4, "requested", [("/job/train.py", 44, "gather")], last="all_gather")})
+    v = judge(two, analyze(two), JobFacts(world_size=2))
+    assert v.cls == "collective-mismatch" and v.culprits == [] and "cannot be told" in v.title
+
+
+def test_a_job_that_moved_when_interrupted_gets_no_hang_verdict_from_a_snapshot():
+    dumps = Dumps({0: dump(0, 6, 5, "requested", WAIT), 1: dump(1, 5, 5, "requested", [("/job/t.py", 9, "f")]),
+                   2: dump(2, 6, 5, "requested", WAIT)})
+    assert judge(dumps, analyze(dumps), JobFacts(world_size=3, settled=True)).cls == "never-arrived"
+    assert judge(dumps, analyze(dumps), JobFacts(world_size=3, settled=False)) is None
+
+
+def test_a_stopped_rank_outranks_the_timeouts_it_caused():
+    dumps = Dumps({0: dump(0, 9, 8, "requested", WAIT), 2: dump(2, 9, 8, "requested", WAIT),
+                   1: dump(1, 8, 8, "SIGTERM", [("/job/train.py", 50, "main")])})
+    job = JobFacts(world_size=3, live=True, how="while it hung")
+    job.ranks = {0: RankFacts(0, "h", 100, "running"), 2: RankFacts(2, "h", 102, "running"),
+                 1: RankFacts(1, "h", 101, "stopped", state_witness="/proc/101/stat: T", stopped_at=5.0)}
+    v = judge(dumps, analyze(dumps), job)
+    assert v.cls == "stopped" and v.culprits == [1] and v.site == ("/job/train.py", 50, "main")
+    assert v.finding().data["witnesses"] == sorted({"Flight Recorder", "process state", "stack (SIGTERM)",
+                                                    "torchdoctor run"})
