@@ -1,6 +1,8 @@
 """``torchdoctor demo`` ends cleanly however it is ended, and refuses a report it could not write before training.
 
-Signals: a driver starts the demo with TMPDIR a folder of the test's own, waits until the demo's temporary folder
+Signals: a driver starts the demo as a terminal would (SIGINT and SIGQUIT at their default, whatever the test run
+inherited: a shell without job control starts ``make test &`` with both ignored, and the demo rightly keeps a signal it
+was started ignoring ignored), with TMPDIR a folder of the test's own, waits until the demo's temporary folder
 exists (at the start, or mid-training once the fix is being applied), stops the demo (SIGSTOP), checks the folder
 is still there, sends the signal and lets it go on (SIGCONT): the signal is delivered while the folder exists,
 whatever the machine's speed. The demo must exit 128 + the signal (130 for SIGINT, as Ctrl-C), say so in one line,
@@ -34,6 +36,11 @@ tmp, sig, when, *extra = sys.argv[1:]
 sig = getattr(signal, sig)
 ignored = os.environ.get("DRIVER_IGNORES")  # started with this signal ignored, as nohup starts a command
 def start():
+    # as a terminal starts a command: SIGINT and SIGQUIT at their default -- a shell without job control starts
+    # `cmd &` with both ignored, and so does everything below a test run started that way (the demo keeps a signal
+    # it was started ignoring ignored, as it should: that is what the shell asked for)
+    for name in ("SIGINT", "SIGQUIT"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
     if ignored:
         signal.signal(getattr(signal, ignored), signal.SIG_IGN)
 p = subprocess.Popen([sys.executable, "-m", "torchdoctor", "demo", "--steps", "1000", *extra],
