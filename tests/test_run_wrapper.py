@@ -333,11 +333,25 @@ def test_log_findings_of_the_command_are_reported(capfdbinary, tmp_path):
 # ------------------------------------------------------------------------------------- bad input
 
 
-def test_command_not_found_is_127(capfdbinary):
+def test_command_not_found_is_127_and_leaves_no_report_folder(capfdbinary, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TORCHDOCTOR_REPORT_DIR", raising=False)
     rc, out, err = run_wrapper(capfdbinary, "--", "no-such-command-torchdoctor-xyz", "arg")
     assert rc == 127
     assert "no-such-command-torchdoctor-xyz: command not found" in err
     assert "Traceback" not in err and out == b""
+    assert os.listdir(tmp_path) == []  # the folder is made only for a report (issue 36)
+
+
+def test_a_report_folder_removed_as_empty_is_said_removed_where_a_finding_names_it(capfdbinary, tmp_path,
+                                                                                   monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TORCHDOCTOR_REPORT_DIR", raising=False)
+    rc, _, _ = run_wrapper(capfdbinary, "--numerics", "--json", str(tmp_path / "r.json"), "--", "true")
+    assert rc == 0 and os.listdir(tmp_path) == ["r.json"]
+    [f] = [f for f in report(tmp_path / "r.json")["findings"] if f["id"] == "numerics.not-attached"]
+    [line] = [e for e in f["evidence"] if "torchdoctor-reports" in e]
+    assert line.endswith("(removed again: nothing was written to it)")
 
 
 def test_not_executable_is_126(capfdbinary, tmp_path):
