@@ -16,7 +16,8 @@ same round, per model.
 Models: the tiny T5 of ``numerics_dispatch.py`` (d_model 32, 4+4 layers, batch 1, one thread: a launch-bound step
 seen on a CPU), the T5 of ``numerics_overhead.py`` (d_model 256, 4+4 layers, batch 8, AdamW), and a
 nanoGPT-shaped loop (a 4-layer GPT-2 from config, d 64, batch 4 x 32 tokens, fp16 autocast on the CPU,
-``torch.amp.GradScaler``, AdamW).
+``torch.amp.GradScaler``, AdamW); and (not with ``--quick``) the HF Trainer on that GPT-2 with each tree's
+``NumericsCallback``, ``train()`` of 20 steps timed whole (its first step, watched every module, included).
 """
 
 from __future__ import annotations
@@ -149,6 +150,41 @@ def run_model(model: Model, packages: dict[str, str], reps: int, steps: int) -> 
     return out
 
 
+def run_trainer(packages: dict[str, str], reps: int, steps: int) -> dict:
+    """The HF Trainer on a tiny GPT-2 from config: ``trainer.train()`` of ``steps`` steps per variant per round, bare
+    and with each tree's ``NumericsCallback`` (the Trainer is built outside the timing)."""
+    import transformers
+
+    g = torch.Generator().manual_seed(3)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (64, 32), generator=g)]
+    variants = {"bare": None, **{f"{label}, default": package for label, package in packages.items()}}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+
+    def once(name: str, package: str | None, out: str) -> float:
+        callbacks = []
+        if package is not None:
+            callbacks.append(importlib.import_module(package + ".integrations.hf").NumericsCallback(report_dir=out))
+        args = transformers.TrainingArguments(out, max_steps=steps, per_device_train_batch_size=4, report_to=[],
+                                              save_strategy="no", use_cpu=True, logging_strategy="no",
+                                              dataloader_num_workers=0, disable_tqdm=True)
+        trainer = transformers.Trainer(model=gpt2(), args=args, train_dataset=data, callbacks=callbacks)
+        t0 = time.thread_time()
+        trainer.train()
+        return (time.thread_time() - t0) / steps
+
+    with tempfile.TemporaryDirectory(prefix="torchdoctor-ab-trainer-") as out:
+        for name, package in variants.items():
+            once(name, package, out)  # (warm-up: imports, first-call costs)
+        for rep in range(reps):
+            for name, package in list(variants.items())[rep % len(variants):] + list(variants.items())[
+                    :rep % len(variants)]:
+                times[name].append(once(name, package, out))
+            print(f"  HF Trainer: rep {rep + 1}/{reps}", file=sys.stderr, flush=True)
+    bare = times["bare"]
+    return {name: {"median_step_ms": statistics.median(t) * 1e3,
+                   "ratio": statistics.median(a / b for a, b in zip(t, bare))} for name, t in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="the revision to compare with (default: HEAD)")
@@ -162,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         packages = {"this tree": "torchdoctor", args.base: base_package(args.base, tmp)}
         load = os.getloadavg()[0]
         results = {m.name: run_model(m, packages, args.reps, args.steps) for m in models(args.quick)}
+        if not args.quick:
+            results["HF Trainer, tiny GPT-2 (train() of 20 steps)"] = run_trainer(packages, max(3, args.reps // 4), 20)
     print(f"healthy-step cost, ratio to the bare step of the same round (median of {args.reps} rounds of "
           f"{args.steps} steps; load average {load:.1f} -> {os.getloadavg()[0]:.1f})")
     for name, rows in results.items():

@@ -113,6 +113,28 @@ def boom_mlp(seed: int = 0) -> torch.nn.Module:
 
 
 @pytest.fixture(autouse=True)
+def _diagnoses_agree_with_their_frames(monkeypatch):
+    """Every report the numerics monitor writes in a test -- raised, warned about, skipped -- is read back against
+    its own frames (:func:`torchdoctor.numerics.explain.evidence.contradictions`): a diagnosis sentence the frames
+    printed under it do not bear out fails the test that made it, whatever that test asserts itself."""
+    from torchdoctor.numerics.explain.evidence import contradictions
+    from torchdoctor.numerics.explain.report import NonFiniteReport
+
+    written: list[NonFiniteReport] = []
+    original = NonFiniteReport.write
+
+    def write(self, *args, **kwargs):
+        written.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(NonFiniteReport, "write", write)
+    yield
+    found = {id(r): (r, contradictions(r)) for r in written}
+    bad = [f"step {r.step} ({r.cause}): {c}" for r, c in found.values() if c]
+    assert not bad, "a report's diagnosis disagrees with its own frames:\n" + "\n".join(bad)
+
+
+@pytest.fixture(autouse=True)
 def _in_tmp_dir(tmp_path, monkeypatch):
     """Reports are written to the working directory by default: keep them out of the repo."""
     monkeypatch.chdir(tmp_path)

@@ -211,7 +211,10 @@ def test_fp16_overflow_with_no_value_near_the_limit(tmp_path):
     x = boundary_input()
     report = raise_in(tmp_path, boundary_model(), autocast_step(x))
     assert report.cause == causes.LOW_PRECISION_OVERFLOW and report.first.module == "2"
-    assert report.fix == "torchdoctor.keep_fp32(model, '2')"
+    # 2 alone in fp32 leaves its ~3e5 output to overflow as 3 takes it in fp16 (the next test): the fix check finds
+    # that on the bad step and prints the region that holds, 2 with the module after it
+    assert report.fix == "torchdoctor.keep_fp32(model, '2') and torchdoctor.keep_fp32(model, '3')", report.text()
+    assert report.fix_check == "fixed" and "keep_fp32('2') tried first, not enough" in report.fix_check_reason
     holds(report)
 
 
@@ -236,10 +239,19 @@ def test_after_keep_fp32_an_fp32_output_entering_an_fp16_module_is_a_boundary_ov
     assert "2 (Linear) made it in float32" in report.diagnosis and bad is frame3
     # the region is extended, never moved: '2' stays kept (the fix once read "keep_fp32(model, '3')" alone, which a
     # user could take as a replacement of '2'; tests/test_numerics_advice.py follows it literally)
-    assert report.fix.startswith("torchdoctor.keep_fp32(model, '3'), in addition to the keep_fp32 already on '2'")
-    assert report.fp32_region == "3" and report.fp32_kept == ["2"]
+    assert report.fp32_kept == ["2"] and "keep_fp32(model, '2')" not in report.fix  # (the guard on stays, not re-told)
     holds(report)
-    # the fix holds: with the consumer kept in fp32 too, the forward is finite
+    # the fix is checked on the bad step itself, forward and backward, before it is printed
+    assert report.fix_check == "fixed", report.text()
+    if consumer_weights == "mixed":
+        assert report.fix.startswith("torchdoctor.keep_fp32(model, '3'), in addition to the keep_fp32 already on '2'")
+        assert report.fp32_region == "3"
+        assert report.fix_check_reason == ("the bad step was run again with keep_fp32('3'): every value of its "
+                                           "forward and backward finite")
+    else:  # 3 in fp32 holds the forward, but with 3's weights all positive the gradient coming back through 2 (x1000)
+        # overflows layer 0's fp16 weight gradient: the region the diagnosis names is not enough, bf16 is
+        assert "keep_fp32('3'), keep_fp32('1') + keep_fp32('3') tried first, not enough" in report.fix_check_reason
+        assert report.fix.startswith("train in bf16") and report.fp32_region is None
     with keep_fp32(model, "2"), keep_fp32(model, "3"), NumericsMonitor(model, report_dir=tmp_path), \
             torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
         assert torch.isfinite(model(x)).all()
@@ -332,9 +344,16 @@ def test_backward_rules_name_the_consumer_and_the_dtype(tmp_path, dtype):
     assert "blow-up starts in the backward of boom" in report.diagnosis
     if dtype is None:
         assert report.cause == causes.BACKWARD_NONFINITE
+        assert report.fix_check == "not checked"  # (fp32 throughout: no wider dtype to try)
     else:
-        assert report.cause == causes.BACKWARD_OVERFLOW and report.fp32_region == "boom"
+        assert report.cause == causes.BACKWARD_OVERFLOW
         assert ("train in bf16" in report.diagnosis) == (dtype == torch.float16)
+        # boom's backward multiplies by 1e39, beyond fp32's range too: the fix check tries boom in fp32, the regions
+        # around it and fp32 itself on the bad step, none makes it finite, so no keep_fp32 is printed as the fix
+        assert report.fix_check == "not fixed" and report.fp32_region is None, report.text()
+        assert "keep_fp32('boom')" in report.fix_check_reason and "fp32 (autocast off)" in report.fix_check_reason
+        assert "not even fp32" in report.diagnosis and "beyond fp32's range" in report.diagnosis
+        assert "keep_fp32(model" not in report.fix
     holds(report)
 
 

@@ -37,22 +37,41 @@ def bad_backward(tmp_path, via: str, watch: str = "every-module") -> NonFiniteEr
     return caught.value
 
 
+class OnceAtStep1(nn.Module):
+    """An inf at the second forward only: a fault its replay does not reproduce (a transient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return x * float("inf") if self.runs == 2 else x
+
+
 FORMS = {
-    "monitor": "NumericsMonitor(..., grads='modules')",
-    "hf": "NumericsCallback(grads='modules')",
-    "lightning": "NumericsCallback(grads='modules')",
-    "switch": "torchdoctor run --numerics --grads modules",
+    "monitor": "NumericsMonitor(..., transient='skip')",
+    "hf": "NumericsCallback(transient='skip')",
+    "lightning": "NumericsCallback(transient='skip')",
+    "switch": "torchdoctor run --numerics --transient skip",
 }
 
 
 @pytest.mark.parametrize("via", sorted(FORMS))
 def test_option_advice_in_the_form_of_the_integration(tmp_path, via):
-    """Every module watched at grads="params": the backward fault is found at a parameter gradient, and the advice to
-    name its module is in the form the monitor was attached with. (At the default the replay names it: no advice.)"""
-    err = bad_backward(tmp_path, via)
-    advice = err.details.diagnosis + " ".join(err.details.notes)
-    assert FORMS[via] in advice
-    assert "grads='modules' names" not in advice.replace(FORMS[via], "")  # no bare or other form beside it
+    """A fault whose replay does not reproduce it: the advice to skip such steps is in the form the monitor was
+    attached with, and in no other."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), OnceAtStep1(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with NumericsMonitor(model, opt, report_dir=str(tmp_path), _via=via), pytest.raises(NonFiniteError) as caught:
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    advice = caught.value.details.fix
+    assert caught.value.details.cause == "numerics.transient" and FORMS[via] in advice
+    assert "transient='skip')" not in advice.replace(FORMS[via], "")  # no bare or other form beside it
     for other in set(FORMS.values()) - {FORMS[via]}:
         assert other not in advice
 

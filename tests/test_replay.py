@@ -16,17 +16,18 @@ from torchdoctor.numerics.record import calls
 
 
 class OnceInf(nn.Module):
-    """Turns its input inf the first time its forward runs (or while ``always``): a transient fault, or one that
+    """Turns its input inf the ``at``-th time its forward runs (or while ``always``): a transient fault, or one that
     stays."""
 
-    def __init__(self, always: bool = False) -> None:
+    def __init__(self, always: bool = False, at: int = 1) -> None:
         super().__init__()
         self.runs = 0
         self.always = always
+        self.at = at
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.runs += 1
-        return x * float("inf") if self.always or self.runs == 1 else x
+        return x * float("inf") if self.always or self.runs == self.at else x
 
 
 def net(inner: nn.Module) -> nn.Sequential:
@@ -51,29 +52,35 @@ def test_a_fault_that_stays_is_reproduced_and_named(tmp_path):
     assert saved["replay"] == "reproduced" and saved["replay_reason"] is None
 
 
-def test_a_transient_fault_is_not_reproduced_raised_by_default_and_skipped_when_asked(tmp_path):
-    model = net(OnceInf())
+@pytest.mark.parametrize("at", [1, 2])  # step 0 (watched every module as it runs) or step 1 (at its boundaries)
+def test_a_transient_fault_is_not_reproduced_raised_by_default_and_skipped_when_asked(tmp_path, at):
+    model = net(OnceInf(at=at))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = [p.detach().clone() for p in model.parameters()]
     with NumericsMonitor(model, opt, report_dir=tmp_path), pytest.raises(NonFiniteError) as e:
+        for _ in range(at - 1):
+            step(model, opt, torch.randn(2, 4))
+        before = [p.detach().clone() for p in model.parameters()]
         step(model, opt, torch.randn(2, 4))
     d = e.value.details
-    assert d.replay == "not reproduced" and d.cause == "numerics.transient"
-    assert (d.first.phase, d.first.module) == ("fwd", "")  # what the step's check saw: the model's output
+    assert d.replay == "not reproduced" and d.cause == "numerics.transient" and d.step == at - 1
+    # what the step's check saw: every module at step 0, the model's output at the boundaries
+    assert (d.first.phase, d.first.module) == ("fwd", "1" if at == 1 else "")
     assert "host " in d.diagnosis and "device cpu" in d.diagnosis and "transient='skip'" in d.fix
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
-    model = net(OnceInf())
+    model = net(OnceInf(at=at))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = [p.detach().clone() for p in model.parameters()]
     with pytest.warns(UserWarning, match="did not reproduce"), \
             NumericsMonitor(model, opt, report_dir=tmp_path, transient="skip") as mon:
+        for _ in range(at - 1):
+            step(model, opt, torch.randn(2, 4))
+        before = [p.detach().clone() for p in model.parameters()]
         step(model, opt, torch.randn(2, 4))  # skipped: its update refused, no exception
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
         for _ in range(2):
             step(model, opt, torch.randn(2, 4))  # and the run goes on
-        assert mon.step_index == 3
-    assert len(mon.transients) == 1 and mon.transients[0].step == 0 and mon.report is None
+        assert mon.step_index == at + 2
+    assert len(mon.transients) == 1 and mon.transients[0].step == at - 1 and mon.report is None
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
@@ -86,8 +93,9 @@ def test_an_input_changed_in_place_after_the_forward_is_not_replayed():
     model = net(nn.Identity())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(2, 4)
-    x[0, 0] = float("inf")
     with NumericsMonitor(model, opt), pytest.raises(NonFiniteError) as e:
+        step(model, opt, x.clone())  # (step 0, watched every module: the bad one is a step checked at its boundaries)
+        x[0, 0] = float("inf")
         model(x).pow(2).mean().backward()
         x.zero_()  # the loop reuses its buffer before the step
         opt.step()
@@ -222,7 +230,12 @@ def test_the_gradient_kept_at_the_models_output_stays_under_its_bound(monkeypatc
         kept.append(self.call.grad_bytes)
 
     monkeypatch.setattr(calls._Keeper, "__call__", spy)
+    model.boom.enabled = False
     with NumericsMonitor(model, opt), pytest.raises(NonFiniteError) as e:
+        F.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, vocab, (16,))).backward()
+        opt.step()  # (step 0, watched every module; the bad step is checked at its boundaries)
+        opt.zero_grad()
+        kept.clear()
         model.boom.enabled = True
         F.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, vocab, (16,))).backward()
         opt.step()

@@ -68,7 +68,10 @@ def test_a_plain_fp16_loop_is_stopped_at_the_module_that_overflowed(tmp_path):
     rc, rep, err, got = switched(tmp_path, "plain", "--fp16", "--bad-step", "2")
     assert rc == 1 and rep["exit_code"] == 1
     f = assert_stopped_before_update(rep, got, step=2, module="fc1")
-    assert f["data"]["fix"] == "torchdoctor.keep_fp32(model, 'fc1')"  # runs as printed on the script's model
+    # fc1 alone in fp32 hands its ~1e6 output on to fc2, which takes it in fp16: the fix check, run on the bad step
+    # before anything is printed, finds that and prints the change that made the step finite
+    assert f["data"]["fix_check"] == "fixed" and "keep_fp32('fc1')" in f["data"]["fix_check_reason"]
+    assert f["data"]["fix"].startswith("train in bf16")
     assert "[torchdoctor] watching Net (161 params) with SGD, grads=params" in err
     [marker] = attached(rep)["data"]["attached"]
     assert (marker["via"], marker["own"], marker["rank"]) == ("plain", False, None)

@@ -8,7 +8,9 @@ Example::
 
 The monitor is attached to the user's ``LightningModule`` (so reports name its modules as the user wrote them,
 whatever strategy wraps it) and to the torch optimizer inside Lightning's ``LightningOptimizer``
-(``trainer.optimizers``). Under ``precision="16-mixed"`` the precision plugin's ``GradScaler`` is passed as
+(``trainer.optimizers``). Under automatic optimization ``training_step`` is the model's call (routed through the
+module's ``__call__``, as Lightning's DDP wrapper does), so a step that calls submodules (``self.encoder(x)``) is
+watched and replayed whole. Under ``precision="16-mixed"`` the precision plugin's ``GradScaler`` is passed as
 ``scaler=``, so its overflow steps are recorded, not raised. Automatic optimization steps the optimizer as
 ``optimizer.step(closure)`` (the forward and backward run inside ``step``); manual optimization
 (``self.manual_backward(loss); opt.step()``) and ``accumulate_grad_batches`` need nothing more. Reports go to
@@ -56,6 +58,10 @@ class NumericsCallback(Callback):
         optimizer = optimizers[0] if optimizers else None  # the monitor finds the torch optimizer inside
         self.monitor = attach_monitor(pl_module, optimizer, _scaler(trainer), report_dir=_log_dir(trainer),
                                       via="lightning", monitor_kwargs=self.monitor_kwargs, warnings=self.warnings)
+        if getattr(pl_module, "automatic_optimization", True):
+            # the step is training_step, whatever submodules it calls: watched and replayed as the model's call
+            # (not under manual optimization, whose training_step steps the optimizer itself)
+            self.monitor._step_through_call(pl_module, "training_step")
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self.close()

@@ -61,6 +61,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import os
@@ -303,14 +304,14 @@ class NumericsMonitor:
         # cannot be replayed on one rank
         recorder.live_default = self.watch == "every-module" or self._hf or self.optimizer is None \
             or watched.engine.params_at_forward or watched.sharded
-        # (every later step decides again as it begins: Steps.new_step)
-        recorder.attach(recorder.live_default or steps.index in self.trace_steps)
+        # (the first step is watched every module, unless compiled; every later step decides again: Steps.new_step)
+        recorder.attach(recorder.live_default or not watched.regions or steps.index in self.trace_steps)
         watched.engine.install(hooks, steps)
         steps.start()
         hooks.active = True
         if not steps.optimizer_hooked() and not self._hf:
             recorder.hook_param_grads()
-        if recorder.grads != "none":
+        if recorder.level != "none":
             watched.engine.attach_grad_watch(hooks, iter(watched.infos.values()), recorder.receive_param_grad)
         if not self._hf:  # transformers reports broken weights in the first forward's frames instead
             bad = self._judge.check_weights()
@@ -325,11 +326,13 @@ class NumericsMonitor:
 
     @property
     def grads(self) -> str:
-        return self._recorder.grads
+        """The gradient level: ``"none"``, ``"params"`` or ``"modules"`` (``"modules"`` once ``auto_localize`` switched
+        it after an overflow)."""
+        return self._recorder.level
 
     @grads.setter
     def grads(self, value: str) -> None:
-        self._recorder.grads = value
+        self._recorder.level = self._recorder.grads = value
 
     @property
     def report(self) -> NonFiniteReport | None:
@@ -426,6 +429,32 @@ class NumericsMonitor:
         update is applied."""
         self._steps.warned_unseen = True
 
+    def _joined_in_forward(self, module: nn.Module, args: tuple, kwargs: dict | None) -> None:
+        """Attached from a global forward pre-hook of ``module``'s call under way (``torchdoctor run --numerics`` at a
+        loop's first training forward): begin that call as the monitor's own pre-forward hooks would have."""
+        self._recorder.joined(module, args, kwargs)
+
+    def _step_through_call(self, module: nn.Module, name: str) -> None:
+        """The loop calls ``module.<name>(...)`` instead of the module (a LightningModule's ``training_step`` under
+        automatic optimization): route that call through ``module.__call__`` with ``forward`` set to it for the call,
+        as Lightning's own DDP wrapper does, so that it is the model's call -- hooked at its boundaries, kept for a
+        replay, and replayed whole (every submodule it calls, and the loss it returns). Undone by close()."""
+        original = getattr(module, name)
+
+        @functools.wraps(original)
+        def routed(*args: Any, **kwargs: Any) -> Any:
+            saved = module.__dict__.get("forward")
+            module.forward = original
+            try:
+                return module(*args, **kwargs)
+            finally:
+                if saved is None:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.forward = saved
+
+        self._hooks.replace(module, name, routed)
+
     def add_handle(self, handle: Any) -> None:
         """Keep a hook handle; close() removes it."""
         self._hooks.add(handle)
@@ -438,8 +467,11 @@ class NumericsMonitor:
     def close(self) -> None:
         """Remove every hook (safe to call twice) and close the trace file.
 
-        Leaving a ``with`` block without an exception also checks the last, still open step.
+        Leaving a ``with`` block without an exception also checks the last, still open step. A run whose loss scaler
+        skipped every step is reported as it closes (no update was ever applied).
         """
+        if not self._hooks.closed:
+            self._steps.end_run()
         self._hooks.close()
         self._recorder.close()
         self._watched.regions.close()

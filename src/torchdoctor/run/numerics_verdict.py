@@ -59,6 +59,9 @@ class Detection:
     bad_ranks: list[int] = field(default_factory=list)
     file_rank: int | None = None  # the rank in the report file's name
     located: bool = True  # it names where (False: a report of a rank whose own values were finite)
+    fix_check: str | None = None  # the fix tried on the bad step: "fixed", "not fixed", "not checked"
+    fix_check_reason: str | None = None
+    observed: dict | None = None  # what the monitor saw of the step
 
     def key(self) -> tuple:
         return (self.step, -1 if self.rank is None else self.rank)
@@ -190,6 +193,8 @@ def _from_report(rep: Any, path: str) -> Detection | None:
         det.module, det.cls, det.slot = _str(first.get("module")), _str(first.get("cls")), _str(first.get("slot"))
         det.value = _str(first.get("value"))
     det.file_rank, det.located = file_rank, first is not None
+    det.fix_check, det.fix_check_reason = _str(rep.get("fix_check")), _str(rep.get("fix_check_reason"))
+    det.observed = rep.get("observed") if isinstance(rep.get("observed"), dict) else None
     return det
 
 
@@ -251,6 +256,8 @@ def nonfinite_finding(reports: list[Detection], lines: list[Detection], problems
         ev.append(f"cause: {first.cause}")
     if first.diagnosis:
         ev.append(f"Diagnosis: {first.diagnosis}")
+    if first.fix_check:
+        ev.append(f"Fix check: {first.fix_check}" + (f" ({first.fix_check_reason})" if first.fix_check_reason else ""))
     for d in others:
         r = f"rank {d.rank}" if d.rank is not None else "another process"
         ev.append(f"also {r}: {_what(d)}" + (f" (report: {d.path})" if d.path else ""))
@@ -271,6 +278,7 @@ def nonfinite_finding(reports: list[Detection], lines: list[Detection], problems
         "source": source, "rank": first.rank, "step": first.step, "phase": first.phase, "module": first.module,
         "cls": first.cls, "slot": first.slot, "value": first.value, "diagnosis": first.diagnosis, "fix": first.fix,
         "cause": first.cause, "report": first.path, "first_rank": first.rank,
+        "fix_check": first.fix_check, "fix_check_reason": first.fix_check_reason, "observed": first.observed,
         "other_ranks": [d.rank for d in others],
         "ranks": [{"rank": d.rank, "step": d.step, "phase": d.phase, "module": d.module, "slot": d.slot,
                    "value": d.value, "report": d.path} for d in pool],

@@ -51,6 +51,14 @@ class HookSet:
         self._restore.append((obj, attr, previous, wrapper))
         setattr(obj, attr, wrapper)
 
+    def replace(self, obj: Any, attr: str, new: Any) -> None:
+        """Shadow ``obj.attr`` with ``new`` (an instance attribute), undone by :meth:`close`."""
+        previous = obj.__dict__.get(attr)
+        new._torchdoctor_previous = previous  # type: ignore[attr-defined]
+        new._torchdoctor_owner = weakref.ref(self)  # type: ignore[attr-defined]
+        self._restore.append((obj, attr, previous, new))
+        setattr(obj, attr, new)
+
     def close(self) -> None:
         """Remove every hook and put every shadowed method back (safe to call twice)."""
         self.active = False

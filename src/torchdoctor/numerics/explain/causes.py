@@ -46,6 +46,8 @@ NONFINITE_LOSS = "numerics.nonfinite_loss"  # a warning: the loss is inf, every 
 OTHER_RANK = "numerics.other_rank"
 UNKNOWN_GRADIENT = "numerics.unknown_gradient"
 SCALE_COLLAPSE = "numerics.loss_scale_collapse"
+# the run ended with a loss scaler that had skipped every one of its steps: no update was ever applied
+SCALER_NEVER_STEPPED = "numerics.scaler_never_stepped"
 # the step went bad, and replaying it on the same inputs and RNG state did not: the device or a kernel (replay.py)
 TRANSIENT = "numerics.transient"
 # checked at its boundaries and not replayed (an input changed in place since, a collective in the forward): the
@@ -55,7 +57,7 @@ CAUSES = (
     BAD_WEIGHT, BAD_INPUT, BETWEEN_MODULES, DIVERGENCE, LOSS_OUTSIDE_MODEL, MODEL_LOSS, LOW_PRECISION_OVERFLOW,
     SQUARE_OVERFLOW,
     INVALID_OP, RANGE_OVERFLOW, BACKWARD_OVERFLOW, BACKWARD_NONFINITE, MARKED_VALUE, BOUNDARY_OVERFLOW,
-    NONFINITE_LOSS, OTHER_RANK, UNKNOWN_GRADIENT, SCALE_COLLAPSE, TRANSIENT, UNLOCALIZED,
+    NONFINITE_LOSS, OTHER_RANK, UNKNOWN_GRADIENT, SCALE_COLLAPSE, SCALER_NEVER_STEPPED, TRANSIENT, UNLOCALIZED,
 )
 
 DIVERGENCE_FIX = (
@@ -213,6 +215,13 @@ def _loss_verdict(what: str) -> str:
             "did not make it")
 
 
+def module_output_grads(frames: list[ResolvedFrame], step: int, name: str) -> list[tuple[ResolvedFrame, Line]]:
+    """The gradients recorded at the outputs of module ``name`` in ``step`` (module-level gradients), as (frame,
+    line)."""
+    return [(f, ln) for f in frames if f.step == step and f.phase == BWD and f.name == name for ln in f.lines
+            if ln.label.startswith("grad_output")]
+
+
 def loss_outside(frames: list[ResolvedFrame], index: int, line: Line) -> LossEvidence | None:
     """The model's forward was finite and the first bad value is where a loss outside the model begins:
     a ``mark()`` made after the model's forward, the gradient at the model's output, or (``grads='params'``)
@@ -249,12 +258,16 @@ def loss_outside(frames: list[ResolvedFrame], index: int, line: Line) -> LossEvi
             )
         return None
     # grads="params": the bad gradients belong to the module that made the model's output, the first the
-    # backward reaches, so the gradient arriving from the loss was already non-finite
+    # backward reaches, so the gradient arriving from the loss was already non-finite -- unless the gradient at that
+    # module's output was recorded (module-level gradients: the first step, a replay) and is finite: then the
+    # module's own backward made it, and the loss is not to blame
     producer = next(
         (f for f in reversed(frames[:index]) if f.step == frame.step and f.phase == FWD and not f.root
          and f.name == frame.name), None,
     )
     if producer is None or not any(ln.ref in refs for ln in producer.lines if ln.label.startswith("output")):
+        return None
+    if module_output_grads(frames, frame.step, frame.name):
         return None
     return LossEvidence(
         f"the forward was finite (the model's outputs too), and the first gradients of the backward, those of "

@@ -69,12 +69,20 @@ def code_between(frames: list[ResolvedFrame], index: int) -> tuple[ResolvedFrame
                      and frames[i].name == bad.name), None)
     if producer is None:
         return None
-    parent_name = bad.name.rpartition(".")[0]
-    parent = next((f for f in frames[producer + 1:] if f.step == bad.step and f.phase == FWD
-                   and f.name == parent_name), None)
-    if parent is None:
-        return None
+    name, ref = bad.name, bad.source_ref
+    while True:
+        parent_name = name.rpartition(".")[0]
+        parent = next((f for f in frames[producer + 1:] if f.step == bad.step and f.phase == FWD
+                       and f.name == parent_name), None)
+        if parent is None:
+            return None
+        passed_on = ref is not None and any(ln.ref == ref and ln.label.startswith("output") for ln in parent.lines)
+        if not passed_on:
+            break
+        if parent.root or not parent_name:  # the model returned it: what used it is outside the model (the loss)
+            return None
+        name = parent_name  # the parent returned that very tensor: the code that used it is further out
     inside = parent_name + "." if parent_name else ""
     nxt = next((f for f in frames[producer + 1:] if f.step == bad.step and f.phase == FWD and f.name != parent_name
-                and f.name.startswith(inside) and not f.name.startswith(bad.name + ".")), None)
+                and f.name.startswith(inside) and not f.name.startswith(name + ".") and f.name != name), None)
     return parent, nxt

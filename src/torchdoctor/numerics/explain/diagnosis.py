@@ -34,7 +34,7 @@ import torch
 
 from ..record.frames import BWD, FWD, MARK, Line, ResolvedFrame
 from . import causes
-from .causes import divergence, narrow_range, step_dtypes
+from .causes import divergence, module_output_grads, narrow_range, step_dtypes
 from .consumers import code_between, consumer_of
 from .inputs import ModelInput, input_name, marked_input, model_input, producer, root_of_call
 from .ranges import (
@@ -106,6 +106,15 @@ class Setup:
     always_before: bool = False
     kept_fp32: tuple[str, ...] = ()
     via: str = "monitor"
+    # what the monitor saw of the step: its forward (a call of the model was recorded), the autocast that call ran
+    # under ((device type, dtype) pairs; None: not seen), and whether a loss scaler is in play
+    forward_seen: bool = True
+    autocast: tuple[tuple[str, torch.dtype], ...] | None = None
+    scaler: bool = False
+
+    @property
+    def autocast_dtypes(self) -> set[torch.dtype]:
+        return {d for _, d in self.autocast or ()}
 
     def option(self, name: str, value: object) -> str:
         """The monitor's option ``name=value`` as the user sets it where they attached it."""
@@ -123,6 +132,20 @@ class Setup:
     def region_of(self, name: str) -> str | None:
         """The module kept in fp32 that ``name`` is (or is inside), if any."""
         return next((k for k in self.kept_fp32 if not k or k == name or name.startswith(k + ".")), None)
+
+
+def keep_fp32_fixes(regions: tuple[str, ...], kept: tuple[str, ...] = ()) -> str:
+    """:func:`keep_fp32_fix` for one region or several together (``keep_fp32(model, '2')`` and
+    ``keep_fp32(model, '3')``), in addition to the guards already on ``kept``."""
+    if len(regions) == 1:
+        return keep_fp32_fix(regions[0], kept)
+    calls = " and ".join(f"torchdoctor.keep_fp32(model, {r!r})" for r in regions)
+    others = [k for k in kept if k not in regions]
+    if others:
+        named = ", ".join(repr(k) for k in others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        guards = "that guard" if len(others) == 1 else "those guards"
+        calls += f", in addition to the keep_fp32 already on {named} (leave {guards} on)"
+    return calls
 
 
 def keep_fp32_fix(region: str, kept: tuple[str, ...] = (), why: str = "") -> str:
@@ -263,11 +286,15 @@ def diagnose(
         if not loss.low_precision:
             return Diagnosis(causes.LOSS_OUTSIDE_MODEL, f"{loss.text}: {loss.verdict}.",
                              fix=loss.fix, evidence=(Evidence.of(frame, line),))
+        scaled = ("the loss scale multiplied the gradient past fp16's range where it enters that output (the loss "
+                  "scaler in use skips such a step and lowers its scale; if every step overflows, no scale fits: "
+                  "compute the model's last layer in fp32" + _or_bf16(frames, frame.step) + ")" if setup.scaler else
+                  "the gradient overflowed there as it was cast to the output's dtype: compute the model's last layer "
+                  "in fp32" + _or_bf16(frames, frame.step))
         return Diagnosis(
             causes.BACKWARD_OVERFLOW,
             f"{loss.text}. The model's output is {dtype_name(_out_dtype(frames, index))}: either the loss made the "
-            f"{what} (check the targets / labels and masks it is given, and its log/div/sqrt inputs) or the scaled "
-            f"gradient overflowed there: scale the loss (torch.amp.GradScaler){_or_bf16(frames, frame.step)}.",
+            f"{what} (check the targets / labels and masks it is given, and its log/div/sqrt inputs) or {scaled}.",
             evidence=(Evidence.of(frame, line),),
         )
     if frame.phase == BWD:
@@ -474,15 +501,17 @@ def _product_overflow(frames: list[ResolvedFrame], index: int, line: Line, x: Li
 def _backward(frames: list[ResolvedFrame], index: int, line: Line, what: str, setup: Setup) -> Diagnosis:
     frame = frames[index]
     fp16, bf16 = _low_precision_words(frames, frame.step)
-    fp16 = fp16 or narrow_range(line.dtype)
-    bf16 = bf16 or line.dtype == torch.bfloat16
+    fp16 = fp16 or narrow_range(line.dtype) or any(narrow_range(d) for d in setup.autocast_dtypes)
+    bf16 = bf16 or line.dtype == torch.bfloat16 or torch.bfloat16 in setup.autocast_dtypes
     consumer = None if line.label.startswith("grad:") else consumer_of(frames, index)
     evidence = (Evidence.of(frame, line),)
     between = None if consumer is not None or line.label.startswith("grad:") else code_between(frames, index)
+    seen = setup.forward_seen
+    forward = "the forward was finite; " if seen else ""
     if between is not None:  # the gradient of a module's output, which no watched module took as its input
         parent, nxt = between
         where = (
-            f"the forward was finite; in the backward the gradient at the output of {who(frame.name, frame.cls)} "
+            f"{forward}in the backward the gradient at the output of {who(frame.name, frame.cls)} "
             f"became {what}, and no watched module took that output as its input: plain code in the forward of "
             f"{who(parent.name, parent.cls)}, after it calls {frame.name}"
             + (f" and before {nxt.name}" if nxt is not None else "")
@@ -492,25 +521,45 @@ def _backward(frames: list[ResolvedFrame], index: int, line: Line, what: str, se
         target = parent.name
     elif consumer is not None:
         where = (
-            f"the forward was finite; in the backward the gradient was finite at the output of "
+            f"{forward}in the backward the gradient was finite at the output of "
             f"{who(consumer.name, consumer.cls)} and became {what} at its input "
             f"({frame.name + '.' if frame.name else ''}{line.label[5:]}): the blow-up starts in the backward of "
             f"{consumer.name or 'the model'}."
         )
         target = consumer.name
     else:
+        own = module_output_grads(frames, frame.step, frame.name) if line.label.startswith("grad:") else []
+        finite_in = [(f, ln) for f, ln in own if ln.finite and ln.abs_max is not None]
         if line.label.startswith("grad:"):
             where = f"the gradient of {f'{frame.name}.' if frame.name else ''}{line.label[5:]}"
         else:
             where = f"the gradient flowing into {who(frame.name, frame.cls)} from its {line.label[5:] or 'output'}"
-        where = f"the forward was finite; {where} became {what} in the backward."
+        where = f"{forward}{where} became {what} in the backward."
+        if finite_in:  # the gradient at the module's output was recorded, finite: its own backward made it
+            f_in, ln_in = finite_in[-1]
+            where += (f" The gradient at the output of {who(frame.name, frame.cls)} was finite ({ln_in.label} "
+                      f"{shown(ln_in.abs_max)}), so {frame.name or 'the model'}'s own backward made it: the product "
+                      "of that gradient and the module's input (the weight gradient's matmul) left the range.")
+            evidence = (Evidence.of(f_in, ln_in), *evidence)
         target = frame.name
-    keep = target or "the module"
+    keep = target or "the model"
+    if not seen and not setup.autocast_dtypes and not fp16 and not bf16:
+        return Diagnosis(
+            causes.BACKWARD_NONFINITE,
+            f"{where} The monitor did not see this step's forward (it attached after it began), so which dtype the "
+            "step computed in, and whether its activations were finite, is not known: the report of the next bad "
+            "step, seen from its start, says which.",
+            target or None, evidence=evidence,
+        )
     if fp16:
+        scale = (" The loss scaler in use skips such a step and lowers its scale; if steps keep overflowing, the "
+                 "values are too large for fp16 at any scale." if setup.scaler else
+                 " A loss scale (torch.amp.GradScaler) would skip such steps and lower its scale: that helps only "
+                 "while the gradients fit fp16 at some scale.")
         return Diagnosis(
             causes.BACKWARD_OVERFLOW,
-            f"{where} In fp16 this is a gradient overflow: scale the loss (torch.amp.GradScaler, DeepSpeed dynamic "
-            f"loss scaling){'' if bf16 else ' or train in bf16'}; if it persists, keep {keep} in fp32.",
+            f"{where} In fp16 this is a gradient overflow: keep {keep} in fp32{'' if bf16 else ', or train in bf16'}."
+            + scale,
             target or None, evidence=evidence,
         )
     if bf16:
@@ -532,7 +581,8 @@ def _backward(frames: list[ResolvedFrame], index: int, line: Line, what: str, se
 
 
 _FP32_BACKWARD = (
-    "Every value is fp32 or wider, so this is not a small dtype's overflow and more precision will not help: it is "
+    "Every value seen is fp32 or wider, with no autocast, so this is not a small dtype's overflow and more precision "
+    "will not help: it is "
     "the derivative of an operation at a point where it has none inside {name}'s backward (sqrt or norm of 0, "
     "log or pow near 0, torch.where whose unselected branch is inf/nan, a division by a value that can be 0), or a "
     "gradient beyond fp32's range (a custom backward's huge factor). {option}."

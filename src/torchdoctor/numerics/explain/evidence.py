@@ -105,8 +105,11 @@ def _named(e, text: str) -> bool:  # noqa: ANN001 - an Evidence
 
 
 def _step_dtypes(report: NonFiniteReport) -> set[torch.dtype]:
-    return {ln.dtype for f in report.frames if f.step == report.step for ln in f.lines
+    """The dtypes of the step's values the report shows, and the autocast dtype the monitor saw it run under."""
+    seen = {ln.dtype for f in report.frames if f.step == report.step for ln in f.lines
             if not ln.param and ln.dtype is not None}
+    autocast = (report.observed or {}).get("autocast") or ""
+    return seen | {_dtype_of(name) for name in _DTYPE.findall(autocast)}
 
 
 def _rule_invariants(report: NonFiniteReport, said: str) -> list[str]:

@@ -69,6 +69,12 @@ class NonFiniteReport:
     # replayed"; and why, when it was not reproduced or not replayed
     replay: str | None = None
     replay_reason: str | None = None
+    # what the monitor saw of the step (Observed.to_json): which parts of it were watched, the autocast it ran under
+    observed: dict[str, Any] | None = None
+    # whether the fix was tried on the bad step before it was printed (fixcheck.py): "fixed", "not fixed", "not
+    # checked"; and how, or why not
+    fix_check: str | None = None
+    fix_check_reason: str | None = None
 
     def text(self) -> str:
         tag = f"[rank{self.rank}] " if self.rank is not None else ""
@@ -99,6 +105,11 @@ class NonFiniteReport:
         out.extend(self.notes)
         if self.replay is not None:
             out.append(f"Replay: {self.replay}" + (f" ({self.replay_reason})" if self.replay_reason else ""))
+        if self.fix_check is not None:
+            out.append(f"Fix check: {self.fix_check}" + (f" ({self.fix_check_reason})" if self.fix_check_reason
+                                                         else ""))
+        if self.observed:
+            out.append("Observed: " + "; ".join(f"{k} {v}" for k, v in self.observed.items()))
         if self.watched:
             out.append(f"Watched: {self.watched}")
         return "\n".join(tag + line for line in out)
@@ -122,6 +133,9 @@ class NonFiniteReport:
             "watched": self.watched,
             "replay": self.replay,
             "replay_reason": self.replay_reason,
+            "observed": self.observed,
+            "fix_check": self.fix_check,
+            "fix_check_reason": self.fix_check_reason,
         }
 
     def write(self, report_dir: str | os.PathLike, basename: str = "torchdoctor-nonfinite") -> list[str]:
@@ -153,12 +167,17 @@ def find_first_bad(
     backward's sum (a tied weight collects gradients from later modules too): they count only when no
     value measured at its own time is non-finite. (Those measured as the parameter received them, in
     the backward, carry a ``ref`` and are timely.)
+
+    Module-level gradients (``grad_output``) recorded without being judged -- the first step records them at every
+    level, but only ``grads="modules"`` lets them stop a step -- count here: a report is built for a step that went
+    bad anyway, and they say where its backward went bad.
     """
     for timely in (True, False):
         for i in range(start, len(frames)):
             for line in frames[i].lines:
                 late = line.label.startswith("grad:") and line.ref is None
-                if line.finite or not line.judged or (timely and late) or (line.param and not judge_params):
+                judged = line.judged or line.label.startswith("grad_")
+                if line.finite or not judged or (timely and late) or (line.param and not judge_params):
                     continue
                 if judge_inputs or not line.label.startswith("input"):
                     return i, line

@@ -16,10 +16,13 @@ import logging
 import math
 from dataclasses import dataclass
 
-from ...advice import fp16_collapse_fix
+import torch
+
+from ...advice import FP32_COLLAPSE_FIX, fp16_collapse_fix
 from ..engines.scalers import OverflowEvent
 from ..engines.wrappers import clean_name
 from ..explain import causes
+from ..explain.causes import narrow_range
 from ..explain.diagnosis import Setup
 from ..explain.render import who
 from ..explain.report import FirstNonFinite, NonFiniteReport, build_report, find_first_bad
@@ -30,7 +33,7 @@ from ..record.watched import WatchedModel
 from .check import StepCheck
 from .history import History
 from .loss_warning import only_the_loss
-from .replay import NOT_REPRODUCED, Replayer
+from .replay import NOT_REPRODUCED, REPRODUCED, Replayer
 from .reporter import Reporter
 from .verdict import (
     BACKWARD,
@@ -186,7 +189,10 @@ class Judge:
             return self._overflow(step, report)
         not_the_model = report.cause in (causes.LOSS_OUTSIDE_MODEL, causes.DIVERGENCE)
         module_level = report.first is not None and not report.first.slot.startswith("grad:")
-        if self.recorder.grads == "params" and only_backward and not not_the_model and not module_level:
+        # (module-level gradients were recorded as the step ran -- its first step -- or by a replay that reproduced)
+        seen_modules = self.recorder.rec.module_grads or report.replay == REPRODUCED
+        if self.recorder.level == "params" and only_backward and not not_the_model and not module_level \
+                and not seen_modules:
             report.notes.append(
                 f"To see where the backward blow-up starts, run with {setup.option('grads', 'modules')}."
             )
@@ -221,12 +227,14 @@ class Judge:
         first = report.first
         event = OverflowEvent(step, scale, first.module if first else None, first.slot if first else None)
         self.reporter.overflows.append(event)
+        if self.reporter.first_overflow is None:
+            self.reporter.first_overflow = report
         self.consecutive_overflows += 1
         where = f" starting in {event.module} ({event.slot})" if event.module else ""
         log.info("gradient overflow at step %d (loss scale %s)%s: step skipped", step, scale, where)
         recorder = self.recorder
-        if recorder.grads == "params" and self.auto_localize and recorder.live_default:  # (a replay localizes anyway)
-            recorder.grads = "modules"
+        if recorder.level == "params" and self.auto_localize and recorder.live_default:  # (a replay localizes anyway)
+            recorder.level = recorder.grads = "modules"
             self.history.growth.clear()  # peaks include (scaled) module gradients from now on: not comparable
             log.info("switching to grads='modules' to localize the next gradient overflow")
         collapsed = scaler is not None and scaler.collapsed(scale, self.min_loss_scale)
@@ -243,7 +251,10 @@ class Judge:
         rest = report.diagnosis
         report.diagnosis = (f"{why}: the gradients overflow at every scale, so this is not a transient spike. "
                             + rest[:1].upper() + rest[1:])
-        report.fix = fp16_collapse_fix(scaler is not None and scaler.deepspeed, report.fp32_region)
+        if narrow_step(report):
+            report.fix = fp16_collapse_fix(scaler is not None and scaler.deepspeed, report.fp32_region)
+        else:
+            report.fix, report.fp32_region = FP32_COLLAPSE_FIX, None
         report.cause = causes.SCALE_COLLAPSE
         return Outcome(RAISE, report)
 
@@ -278,6 +289,14 @@ class Judge:
                     rank=self.rank, cause=causes.BAD_WEIGHT,
                 )
         return None
+
+
+def narrow_step(report: NonFiniteReport) -> bool:
+    """Did the bad step compute in a narrow dtype -- an fp16 / bf16 value among its frames, or narrow autocast seen
+    as it ran (``report.observed``, or the setup's when not yet said)?"""
+    dtypes = {ln.dtype for f in report.frames if f.step == report.step for ln in f.lines if ln.dtype is not None}
+    autocast = (report.observed or {}).get("autocast") or ""
+    return any(narrow_range(d) or d == torch.bfloat16 for d in dtypes) or "float16" in autocast
 
 
 def _blame_other_ranks(report: NonFiniteReport, others: list[int]) -> None:

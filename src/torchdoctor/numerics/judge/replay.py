@@ -66,10 +66,25 @@ def _eager_everywhere() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _autocast_as(call: RootCall, autocast: tuple[tuple[str, torch.dtype], ...] | None = None) -> Iterator[None]:
+    """The autocast the call's forward ran under (``autocast``: another one, a fix being checked; ``()``: off). Only
+    around the replayed forward: a training step's backward runs outside autocast (torch's recipe), and a backward
+    under autocast would compute its matmuls in the narrow dtype -- an overflow the step never had."""
+    with contextlib.ExitStack() as stack:
+        on = dict(call.autocast if autocast is None else autocast)
+        for device_type in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+            if device_type in on:
+                stack.enter_context(torch.autocast(device_type, dtype=on[device_type]))
+            else:  # (a check made at the next forward may run inside the loop's own autocast)
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+@contextlib.contextmanager
 def _as_the_call_ran(model: nn.Module, call: RootCall) -> Iterator[None]:
-    """The RNG states, autocast, train/eval mode and forward of the call; everything put back after. (Lightning's
-    strategies call ``training_step`` through the model's ``__call__`` by setting ``forward`` on the instance for
-    that one call: the replay calls what the step called.)"""
+    """The RNG states, train/eval mode and forward of the call; everything put back after. (Lightning's strategies
+    call ``training_step`` through the model's ``__call__`` by setting ``forward`` on the instance for that one call:
+    the replay calls what the step called.) Its autocast: :func:`_autocast_as`, around the forward only."""
     forward_now = model.__dict__.get("forward")
     if call.forward is not None and forward_now is not call.forward:
         model.forward = call.forward
@@ -83,14 +98,7 @@ def _as_the_call_ran(model: nn.Module, call: RootCall) -> Iterator[None]:
     for d, state in call.cuda_rng.items():
         torch.cuda.set_rng_state(state, d)
     try:
-        with contextlib.ExitStack() as stack:
-            on = dict(call.autocast)
-            for device_type in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
-                if device_type in on:
-                    stack.enter_context(torch.autocast(device_type, dtype=on[device_type]))
-                else:  # (a check made at the next forward may run inside the loop's own autocast)
-                    stack.enter_context(torch.autocast(device_type, enabled=False))
-            yield
+        yield
     finally:
         torch.set_rng_state(cpu_now)
         for d, state in cuda_now.items():
@@ -157,9 +165,8 @@ def _marked_after_the_call(frames: list[ResolvedFrame], start: int, position: in
 
 
 def _replayed_note(checked: NonFiniteReport, replayed: NonFiniteReport, bad: ResolvedFrame, compiled: bool,
-                   calls: list[RootCall], call: RootCall) -> str:
+                   which: str) -> str:
     """What the replayed report says of where its frames come from (``checked``: what the step's check saw)."""
-    which = f"micro-batch {calls.index(call) + 1} of {len(calls)}" if len(calls) > 1 else "this micro-batch"
     if compiled:
         return ("The model is compiled (torch.compile): these frames come from an eager replay of "
                 f"{which} on the same inputs (RNG state restored), after the compiled run went non-finite"
@@ -169,6 +176,20 @@ def _replayed_note(checked: NonFiniteReport, replayed: NonFiniteReport, bad: Res
             "fault reproduced -- so it comes from the data or the model, and the fix above applies."
             + (" Frames of earlier steps show the model's calls only (watch='every-module' records every module)."
                if any(f.step != replayed.step for f in replayed.frames) else ""))
+
+
+def _which(calls: list[RootCall], call: RootCall, name: str) -> str:
+    """The call replayed, as the report says it: a micro-batch of the model, or a call of a module the loop calls on
+    its own (a LightningModule's training_step calling its submodules)."""
+    if any(c.module is not call.module for c in calls):
+        return f"its call of {name or 'the model'}"
+    return f"micro-batch {calls.index(call) + 1} of {len(calls)}" if len(calls) > 1 else "this micro-batch"
+
+
+def _reproduced_note(which: str) -> str:
+    return (f"Replayed: every module was watched as the step ran (the frames above); {which} was run again on the "
+            "same inputs, RNG state and autocast, and the fault reproduced -- so it comes from the data or the model, "
+            "not a transient fault of the device.")
 
 
 class Replayer:
@@ -189,18 +210,25 @@ class Replayer:
         self.max_frames = max_frames
         self.rank = rank
         self.hf = hf
+        # the call whose replay reproduced the last report's fault, whether that was a backward one, and the frames
+        # the replay saw (the fix check runs that call again, and reads the order its modules ran in)
+        self.reproduced: tuple[RootCall, bool, list[ResolvedFrame]] | None = None
 
-    def replay_call(self, call: RootCall, backward: bool, failed: bool = False) -> list[ResolvedFrame]:
+    def replay_call(self, call: RootCall, backward: bool, failed: bool = False,
+                    variant: contextlib.AbstractContextManager | None = None,
+                    autocast: tuple[tuple[str, torch.dtype], ...] | None = None) -> list[ResolvedFrame]:
         """Replay one call with every module watched, into a fresh record; the frames it saw, with the parameter
         gradients the replayed backward computed (measured now, module by module in backward order, as a report at
         ``"params"`` shows them). State is put back. ``failed``: the call raised; so does its replay, and the frames
-        before the exception are what it shows."""
+        before the exception are what it shows. ``variant`` (entered around the replayed forward and backward) and
+        ``autocast`` (instead of the call's): a fix being checked (:mod:`.fixcheck`)."""
         model = call.module
         grads = None
         with self.recorder.replaying() as rec, saved_buffers(self.watched.root.buffers()), \
-                _as_the_call_ran(model, call), _eager_everywhere(), _NoCollectives():
+                _as_the_call_ran(model, call), _eager_everywhere(), _NoCollectives(), \
+                variant or contextlib.nullcontext():
             if not backward:
-                with torch.no_grad():
+                with torch.no_grad(), _autocast_as(call, autocast):
                     try:
                         model._call_impl(*call.args, **call.kwargs)
                     except CollectiveInReplay:
@@ -209,14 +237,14 @@ class Replayer:
                         if not failed:
                             raise
             else:
-                with torch.enable_grad():
+                with torch.enable_grad(), _autocast_as(call, autocast):
                     out = model._call_impl(*call.args, **call.kwargs)
                 outs, seeds = [], []
                 for label, v in output_slots(out):
                     g = call.output_grads.get(label)
                     if g is not None and isinstance(v, torch.Tensor) and v.requires_grad:
                         outs.append(v)
-                        seeds.append(g)
+                        seeds.append(g if g.dtype == v.dtype else g.to(v.dtype))  # (a fix tried may change it)
                 params = [(info, n, p) for info in self.watched.infos.values() if (m := info.module()) is not None
                           for n, p in m.named_parameters(recurse=False) if p.requires_grad]
                 if outs and params:
@@ -248,17 +276,19 @@ class Replayer:
 
     def localize(self, rec: StepRecord, report: NonFiniteReport, frames: list[ResolvedFrame], start: int,
                  judge_params: bool, setup: Setup) -> NonFiniteReport:
-        """Look inside the step (``rec``) that went bad when it was not watched module by module
-        (``watch="boundaries"``), or when its first bad value is where compiled code hid what happened: replay the
-        micro-batch and return the report of what the replay shows, or this one, saying why not (``report.replay``).
-        ``setup.before_update``: the training step is checked before its update (its weights are still those its
-        forward ran with; an evaluation pass changes no weight)."""
+        """Replay the micro-batch of the step (``rec``) that went bad. When the step was not seen whole -- watched at
+        its boundaries (``watch="boundaries"``), a backward fault without module-level gradients, or a first bad value
+        where compiled code hid what happened -- return the report of what the replay shows; when it was seen whole
+        (every module, and module-level gradients for a backward fault), keep this report, built from what the step
+        did as it ran, and the replay only says whether the fault reproduces. Either way ``report.replay`` says what
+        came of it, and why not when it could not run. ``setup.before_update``: the training step is checked before
+        its update (its weights are still those its forward ran with; an evaluation pass changes no weight)."""
+        self.reproduced = None
         position = report.position
         backward = report.first is not None and report.first.phase == BWD
         compiled = bool(self.watched.regions) and _compiled_edge(frames, start + position, backward)
         coarse = not rec.live
-        if rec.live and not compiled:
-            return _settled(report, NOT_REPLAYED, "every module was watched as the step ran: nothing to replay")
+        seen_whole = rec.live and not compiled and (not backward or rec.module_grads)
         if rec is self.recorder.rec and not setup.before_update:
             return self._unreplayed(report, coarse, "this step was checked after its update (mon.step() after "
                                     "optimizer.step()), so a replay would run on other weights than the step did",
@@ -305,8 +335,14 @@ class Replayer:
             again = self._report(context + inner, len(context), setup, judge_params)
             if again is None:
                 continue
+            self.reproduced = (call, backward, inner)
+            info = self.watched.infos.get(id(call.module))
+            which = _which(calls, call, info.name if info is not None else "")
+            if seen_whole:  # the frames of the step as it ran stand; the replay says the fault comes back
+                report.notes.append(_reproduced_note(which))
+                return _settled(report, REPRODUCED)
             again.position = position  # ranks compare where the value went bad in the step they all ran
-            again.notes.append(_replayed_note(report, again, frames[start + position], compiled, calls, call))
+            again.notes.append(_replayed_note(report, again, frames[start + position], compiled, which))
             return _settled(again, REPRODUCED)
         return self._not_reproduced(report, compiled, backward, setup)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import warnings
 
+from ...advice import FP32_COLLAPSE_FIX, fp16_collapse_fix
 from ..engines.scalers import OverflowEvent
 from ..errors import NonFiniteWarning
 from ..explain import causes
@@ -30,6 +31,7 @@ class Reporter:
         self.warnings: list[NonFiniteReport] = []  # findings the run survives (an inf loss, finite gradients)
         self.overflows: list[OverflowEvent] = []  # steps a loss scaler skipped
         self.transients: list[NonFiniteReport] = []  # steps skipped with transient="skip"
+        self.first_overflow: NonFiniteReport | None = None  # the report of the first step a loss scaler skipped
 
     def write(self, report: NonFiniteReport, basename: str = "torchdoctor-nonfinite") -> list[str]:
         """Write ``report`` (its ``.txt`` and ``.json``); never raises: a note in the report says why not."""
@@ -68,3 +70,37 @@ class Reporter:
                    f"fault); its update was refused and the run goes on. Report: {paths[0]}")
         log.warning("%s\n%s", message, report.text())
         warnings.warn(message, NonFiniteWarning, stacklevel=user_stacklevel())
+
+    def never_stepped(self, steps: int, deepspeed: bool, narrow: bool = True) -> NonFiniteReport | None:
+        """The run ends and its loss scaler skipped every one of its ``steps``: no update was ever applied, the model
+        did not train. A report of its own (written and warned about like a detection), built on the first skipped
+        step's; None when an update was applied or nothing overflowed. ``narrow``: that step computed in a narrow
+        dtype (else the advice is not fp16's)."""
+        first = self.first_overflow
+        if first is None or not self.overflows or self.report is not None:
+            return None
+        scales = [e.scale for e in self.overflows if e.scale is not None]
+        trajectory = (f" (loss scale {scales[0]:g} at step {self.overflows[0].step}, {scales[-1]:g} at step "
+                      f"{self.overflows[-1].step})" if scales else "")
+        n = len(self.overflows)
+        rest = first.diagnosis
+        report = NonFiniteReport(
+            first.step, first.first, first.frames,
+            f"the loss scaler skipped every step of the run: {n} of {steps} step(s) overflowed{trajectory} and no "
+            "update was ever applied, so the model did not train. The gradients overflowed at every scale tried; at "
+            f"step {first.step}: " + rest[:1].lower() + rest[1:],
+            fix=fp16_collapse_fix(deepspeed, first.fp32_region) if narrow else FP32_COLLAPSE_FIX, rank=first.rank,
+            fp32_region=first.fp32_region if narrow else None,
+            fp32_kept=first.fp32_kept, cause=causes.SCALER_NEVER_STEPPED, evidence=first.evidence,
+            cited=first.cited, watched=first.watched or self.watching, replay=first.replay,
+            replay_reason=first.replay_reason, observed=first.observed)
+        report.notes = [*first.notes, f"Steps the loss scaler skipped: {[e.step for e in self.overflows]}."]
+        report.fix_check, report.fix_check_reason = "not checked", (
+            "the run had ended: a step's inputs are kept only while it is checked; torchdoctor precision MODEL checks "
+            "a region on the model before training")
+        self.detected(report)
+        paths = self.write(report)
+        message = f"torchdoctor: {report.diagnosis.split('. ')[0]}. Report: {paths[0]}"
+        log.error("%s\n%s", message, report.text())
+        warnings.warn(message, NonFiniteWarning, stacklevel=2)
+        return report

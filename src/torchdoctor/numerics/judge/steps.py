@@ -33,9 +33,10 @@ from ..record.recorder import Recorder
 from ..record.watched import WatchedModel
 from .check import StepCheck
 from .closures import ClosureSteps
+from .fixcheck import FixChecker
 from .headroom import Headroom
 from .history import History, resolved
-from .judging import OVERFLOW, RAISE, SKIP, Judge
+from .judging import OVERFLOW, RAISE, SKIP, Judge, narrow_step
 from .replay import Replayer
 from .reporter import Reporter
 
@@ -99,6 +100,9 @@ class Steps:
         self.warned_unseen = False  # said once: a step without any recorded forward
         self.at_exit = False  # the last step is being checked as the with block exits
         self.buffers: BufferGuard | None = None  # module buffers as each step began (put back after a detection)
+        self.applied = 0  # steps checked in front of the optimizer and found finite: updates applied
+        self.fix_checker = FixChecker(replayer, watched)
+        self._ended = False
 
     def start(self) -> None:
         """Attached: the module buffers are kept as each step begins from now on."""
@@ -106,11 +110,18 @@ class Steps:
         self.buffers.start()
 
     def new_step(self, continued: bool = False) -> None:
-        """A fresh record for the step under way: every module watched, or only the boundaries."""
+        """A fresh record for the step under way: every module watched, or only the boundaries. The first step is
+        watched every module, module-level gradients included: it is seen whole (a fault from step 0 needs no replay
+        to be named), and it shows which modules a step calls (the loop's own entries) -- except in a compiled model."""
         rec = self.recorder
-        live = rec.live_default or rec.learning_entries or self.index in self.trace_steps \
+        # (a compiled model's first step is not: hooks put in for one step and taken out for the next would make
+        # torch.compile recompile, and inside the compiled code they see nothing anyway -- its edges and the replay do)
+        first = self.index == 0 and not self.watched.regions
+        if first:
+            rec.learning_entries = True  # (the modules a loop calls on its own become entries at this step)
+        live = first or rec.live_default or rec.learning_entries or self.index in self.trace_steps \
             or (self.headroom is not None and self.headroom.due(self.index))
-        rec.new_record(self.index, live, continued)
+        rec.new_record(self.index, live, continued, module_grads=first)
         if self.buffers is not None and not continued:  # a continued step keeps the snapshot of its start
             self.buffers.start()
 
@@ -130,11 +141,42 @@ class Steps:
         return not self.manual or self.updated_in != self.index
 
     def setup(self) -> Setup:
-        """What a report's advice may assume beyond its frames (:class:`~..explain.diagnosis.Setup`). Report time
-        only."""
+        """What a report's advice may assume beyond its frames (:class:`~..explain.diagnosis.Setup`): also what the
+        monitor saw of the step under way -- its forward (a call of the model, or of a module the loop calls, was
+        recorded) and the autocast that call ran under. Report time only."""
         before = self.checked_before_update()
+        rec = self.recorder.rec
+        calls = rec.root_calls
+        seen = bool(calls) or any(f.phase != "bwd" for f in rec.frames)
+        autocast = calls[-1].autocast if calls else None
         return Setup(self.optimizer is not None, self.manual, before, before and not self.late_check,
-                     self.watched.kept_in_fp32(), self.via)
+                     self.watched.kept_in_fp32(), self.via, forward_seen=seen, autocast=autocast,
+                     scaler=self.scaler is not None)
+
+    def observed(self, report: NonFiniteReport) -> dict[str, str]:
+        """What the monitor saw of the bad step, for the report (its JSON carries it): each part of the step, and
+        how it was seen."""
+        rec = self.recorder.rec
+        replayed = report.replay == "reproduced"
+        calls = rec.root_calls
+        if rec.live:
+            forward = "every module, as it ran"
+        elif calls or rec.frames:
+            forward = "the model's calls (inputs and outputs)" + (", then every module in a replay" if replayed else "")
+        else:
+            forward = ("not seen: the monitor attached after this step's forward (attach it before the first forward "
+                       "to see it)")
+        if self.recorder.level == "none":
+            backward = "not watched (grads='none')"
+        elif rec.module_grads:
+            backward = "every module's output gradient and the parameter gradients, as they were made"
+        elif replayed and report.first is not None and report.first.phase == "bwd":
+            backward = "the parameter gradients; every module's output gradient in a replay"
+        else:
+            backward = "the parameter gradients"
+        autocast = ("not seen" if not calls else ", ".join(f"{str(d).removeprefix('torch.')} ({dev})"
+                                                            for dev, d in calls[-1].autocast) or "off")
+        return {"forward": forward, "backward": backward, "autocast": autocast}
 
     # ------------------------------------------------------------------ step boundaries
     def step(self) -> None:
@@ -218,6 +260,17 @@ class Steps:
             finally:
                 self.at_exit = False
 
+    def end_run(self) -> None:
+        """The monitor closes: what only the whole run shows -- a loss scaler that skipped every step -- is said
+        (:meth:`~.reporter.Reporter.never_stepped`). Once."""
+        if self._ended:
+            return
+        self._ended = True
+        first = self.reporter.first_overflow
+        if not self.applied and first is not None:
+            self.reporter.never_stepped(self.index, self.scaler is not None and self.scaler.deepspeed,
+                                        narrow_step(first))
+
     def close_step(self, source: str, abort_check: bool = True, advance: bool = True) -> None:
         """Check the finished step with one host read; raise or record what went wrong (``advance=False``: the
         step goes on, a closure's evaluation)."""
@@ -234,8 +287,8 @@ class Steps:
         nothing = rec.empty and self.deferred_report is None
         if nothing and source in ("forward", "skipped", "final") and not self.check.sync_ranks:
             return  # (under DDP every rank must take part in the verdict, so no shortcut there)
-        if not rec.frames and source == "optimizer" and not self.warned_unseen:
-            self._forward_unseen()
+        if not rec.frames and rec.live and source == "optimizer" and not self.warned_unseen:
+            self._forward_unseen()  # (watched every module, yet nothing recorded: not a loop's own entries)
         judged = rec.buffer.judged_stacks()  # activations, module-level and engine-collected gradients
         if rec.buffer.changed:
             rec.measure_changed_at_once()
@@ -260,6 +313,8 @@ class Steps:
         if ok:
             self.judge.healthy()
             self.history.growth.add(step, peaks)  # a few device ops, read only when a report is built
+            if source == "optimizer":
+                self.applied += 1
         else:
             self._bad_step(step, source, check_grads, self_bad)
         self.rotate(advance)
@@ -267,10 +322,14 @@ class Steps:
             self.check_abort_after(step)
 
     def _bad_step(self, step: int, source: str, check_grads: bool, self_bad: bool) -> None:
-        """Carry out the judge's decision on a bad step."""
-        outcome = self.judge.judge(step, source, check_grads, self_bad, self.setup(), self.deferred_report,
+        """Carry out the judge's decision on a bad step; a step that stops the run has its fix tried first."""
+        setup = self.setup()
+        outcome = self.judge.judge(step, source, check_grads, self_bad, setup, self.deferred_report,
                                    self.optimizer_hooked())
+        outcome.report.observed = self.observed(outcome.report)
         if outcome.action == RAISE:
+            if outcome.report is not self.deferred_report:
+                self.fix_checker.check(outcome.report, setup)
             self.raise_(outcome.report)
         elif outcome.action == SKIP:
             self.after_detection()

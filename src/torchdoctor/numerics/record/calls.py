@@ -44,6 +44,7 @@ class RootCall:
     output_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # by output label
     grad_bytes: int = 0
     dropped: str | None = None  # an output whose gradient was above GRAD_BYTES_KEPT
+    unseen: str | None = None  # why the call cannot be replayed as it ran, known when it began
 
 
 def _input_tensors(args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
@@ -125,7 +126,10 @@ class _Keeper:
 
 
 def changed_input(call: RootCall) -> str | None:
-    """Why the call cannot be replayed as it ran, or None: an input changed in place since its forward began."""
+    """Why the call cannot be replayed as it ran, or None: an input changed in place since its forward began (or a part
+    of the call was not seen)."""
+    if call.unseen is not None:
+        return call.unseen
     if call.changed_in_forward:
         return "the forward changed one of its own inputs in place, so a replay would start from another value"
     for t, v in call.versions:

@@ -88,7 +88,9 @@ class Recorder:
     Args:
         watched (WatchedModel): the model's facts (modules and their infos, engine, regions, parameters, devices).
         hooks (HookSet): where every hook it adds is kept; ``hooks.active`` says whether the monitor watches.
-        grads (str): ``"none"``, ``"params"`` or ``"modules"`` (module-level gradients hooked as they are made).
+        grads (str): ``"none"``, ``"params"`` or ``"modules"`` (module-level gradients hooked as they are made): the
+            level asked for (:attr:`level`); :attr:`grads` is the current step's (the first step records module-level
+            gradients whatever the level, a replay always does).
         hf (bool): transformers' compat surface (:mod:`torchdoctor.compat`): what it sees, measured at once.
     """
 
@@ -96,7 +98,11 @@ class Recorder:
         self.watched = watched
         self.infos = watched.infos
         self.hooks = hooks
-        self.grads = grads
+        self.level = grads  # the level asked for
+        self.grads = grads  # this step's
+        # module-level gradients may stop a step (grads="modules", a replay); recorded at the first step whatever the
+        # level, they are seen there but do not stop it (a loop that repairs its gradients before the update)
+        self.grads_judged = grads == "modules"
         self.hf = hf
         self.params_at_forward = watched.engine.params_at_forward
         self.events: StepEvents | None = None  # the step logic, wired in once it exists (it needs the recorder)
@@ -139,6 +145,7 @@ class Recorder:
         self.watched.regions.install(hooks, self)
         self.attached = True
         self.rec.live = live
+        self.rec.module_grads = live and self.grads == "modules"
         self.set_live(live)
 
     def close(self) -> None:
@@ -148,13 +155,17 @@ class Recorder:
         self.module_hooks = []
         self.live_now = False
 
-    def new_record(self, step: int, live: bool, continued: bool = False) -> None:
+    def new_record(self, step: int, live: bool, continued: bool = False, module_grads: bool = False) -> None:
         """Record step ``step`` afresh from here (``continued``: the same step goes on in a new record), every module
-        watched as it runs or only at the boundaries (``live``)."""
+        watched as it runs or only at the boundaries (``live``), with the gradient at every module's output
+        (``module_grads``, live only) whatever the level."""
         self.step = step
         self.rec = StepRecord(continued=continued)
+        self.grads = "modules" if module_grads and live and self.level != "none" else self.level
+        self.grads_judged = self.level == "modules"
         if self.attached:
             self.rec.live = live
+            self.rec.module_grads = live and self.grads == "modules"
             self.set_live(live)
             if not live and self.found_entries:
                 self.add_entries(self.found_entries)  # (after the live hooks are gone: never two on one module)
@@ -175,11 +186,14 @@ class Recorder:
             self.module_hooks = []
             return
         at_forward = self.params_at_forward
+        loose = self._on_entry_pre_forward
         for _, module in self.watched.modules:
             info = self.infos[id(module)]
             if info.is_root or id(module) in self.entries:
                 continue  # hooked for good
             self.module_hooks.append(self._hook_module(module, info))
+            # a module the loop calls on its own (not learnt yet): what a replay of its call needs
+            self.module_hooks.append(module.register_forward_pre_hook(loose, with_kwargs=True))
             if at_forward:
                 self.module_hooks.append(module.register_forward_pre_hook(self._on_pre_forward_params))
 
@@ -197,14 +211,14 @@ class Recorder:
     def replaying(self) -> Iterator[StepRecord]:
         """A replay records into a fresh record, every module watched with module-level gradients; the step's own
         record, the hooks and the level are as before after it."""
-        saved, was_live, grads = self.rec, self.live_now, self.grads
-        self.rec, self.rerunning = StepRecord(live=True), True
+        saved, was_live, grads, judged = self.rec, self.live_now, self.grads, self.grads_judged
+        self.rec, self.rerunning = StepRecord(live=True, module_grads=True), True
         self.set_live(True)
-        self.grads = "modules"
+        self.grads, self.grads_judged = "modules", True
         try:
             yield self.rec
         finally:
-            self.grads = grads
+            self.grads, self.grads_judged = grads, judged
             if not was_live:
                 self.set_live(False)
             self.rec, self.rerunning = saved, False
@@ -212,11 +226,10 @@ class Recorder:
     # ------------------------------------------------------------------ the model's calls
     def begin_evaluation(self, module: nn.Module, args: Any, kwargs: dict) -> None:
         """An evaluation / generation forward between training steps: recorded on its own (checked at its end), the
-        training step's record put aside until it ends."""
+        training step's record put aside until it ends; what a replay of it would need is kept."""
         self.stash, self.rec = self.rec, StepRecord(live=self.live_now)
         self.forward_start = 0
-        if not self.live_now:  # checked at its boundaries: keep what a replay would need
-            self.rec.root_calls.append(capture(module, args, kwargs, 0, self.watched.cuda_devices))
+        self.rec.root_calls.append(capture(module, args, kwargs, 0, self.watched.cuda_devices))
 
     def end_evaluation(self) -> StepRecord:
         """The evaluation forward ended: its record, and the training step's record back in place."""
@@ -229,10 +242,25 @@ class Recorder:
             self.rec, self.stash = self.stash, None
 
     def begin_call(self, module: nn.Module, args: Any, kwargs: dict) -> None:
-        """A training call of the model begins: where its frames start, and what a replay of it would need."""
+        """A training call of the model begins: where its frames start, and what a replay of it would need (also
+        when every module is watched: the replay says whether a fault reproduces, and checks a fix)."""
         self.forward_start = len(self.rec.frames)
-        if self.watched.regions or not self.rec.live:  # keep what a replay of this call would need (replay.py)
-            self.rec.root_calls.append(capture(module, args, kwargs, self.forward_start, self.watched.cuda_devices))
+        self.rec.root_calls.append(capture(module, args, kwargs, self.forward_start, self.watched.cuda_devices))
+
+    def joined(self, module: nn.Module, args: Any, kwargs: dict | None) -> None:
+        """Attached while ``module``'s call was under way (from a global forward pre-hook: its own pre-forward hooks
+        were read before they existed): begin that call as they would have. ``kwargs`` None: they were not seen (the
+        call is then not replayed)."""
+        root_region = self.watched.regions.root
+        if root_region is not None and module is root_region.outer:
+            self.region_enter(root_region, module, args, kwargs or {})
+        elif root_region is None and module is self.watched.root:
+            self._on_root_pre_forward(module, args, kwargs or {})
+        else:
+            return  # a wrapper around the model (the model's own call, hooked now, runs inside), or an entry
+        if kwargs is None and self.rec.root_calls:
+            self.rec.root_calls[-1].unseen = ("the monitor attached as this call began and could not read its keyword "
+                                              "arguments")
 
     def forget_failed_call(self) -> None:
         """The call raised and nothing non-finite came before: its frames go; an evaluation's record ends."""
@@ -299,8 +327,8 @@ class Recorder:
                 slots += rec.call_slots(args, kwargs, output, now)
             rec.frames.append(Frame(self.step, FWD, info, slots, not at_forward, False, first))
         call = rec.root_calls[-1] if rec.root_calls and not self.rerunning else None
-        if call is not None and not (info.is_root or (id(module) in self.entries and call.module is module)):
-            call = None  # (the model's call, or an entry's: a compiled model's call was kept by its outer module)
+        if call is not None and not (info.is_root or call.module is module):
+            call = None  # (the model's call, or a loose call's: a compiled model's call was kept by its outer module)
         if call is not None:
             forward_ended(call)
         if torch.is_grad_enabled():
@@ -334,11 +362,12 @@ class Recorder:
 
     def _on_entry_pre_forward(self, module: nn.Module, args: Any, kwargs: dict | None = None) -> None:
         """A module the loop calls on its own (``self.net(x)`` in a LightningModule's ``training_step``), watched at
-        its boundaries like the model: keep what a replay of this call would need."""
+        its boundaries like the model, or any module called outside the model while every module is watched: keep
+        what a replay of this call would need (returns at once inside a call of the model)."""
         if _is_compiling() or not self.hooks.active or _graph_task() != -1 or self.rerunning or self.root_depth:
             return
         rec = self.rec
-        if rec.live or not torch.is_grad_enabled() or not self._outermost_call(module):
+        if not torch.is_grad_enabled() or not self._outermost_call(module):
             return
         rec.root_calls.append(capture(module, args, kwargs or {}, len(rec.frames), self.watched.cuda_devices))
 
@@ -380,7 +409,7 @@ class Recorder:
         device, read with the step's flag): zero_grad() or the update may come before the step ends.
         A post-accumulate hook per parameter notices any backward that writes a gradient, whatever
         output the loss was computed from."""
-        if self._grad_hooks_on or self.grads == "none":
+        if self._grad_hooks_on or self.level == "none":
             return
         self._grad_hooks_on = True
         for p in self.watched.params:
@@ -446,11 +475,12 @@ class Recorder:
         rec.backward_ran = True
         rec.settle()  # (a forward that never reached its end, e.g. a re-run: its calls' sources are needed now)
         ref = None
+        judged = self.grads_judged
         if type(grad) is torch.Tensor and grad.layout is torch.strided:  # the common case: into a window
-            ref = rec.buffer.wait(grad, True, grad._version)
+            ref = rec.buffer.wait(grad, judged, grad._version)
         label = targets[0][1]
-        measured = (label, *ref, None, grad.dtype, None, None, False, True, None) if ref is not None else measure(
-            rec.buffer, label, grad)
+        measured = (label, *ref, None, grad.dtype, None, None, False, judged, None) if ref is not None else measure(
+            rec.buffer, label, grad, judged)
         # (a replay's parameter gradients are the ones its own backward returned, not p.grad: replay.replay_call)
         params = self.watched.engine.grads_at_report and not self.rerunning
         step = self.step
@@ -458,8 +488,8 @@ class Recorder:
         for info, label, source in targets:
             first_for_module = id(info) not in seen_modules
             seen_modules.add(id(info))
-            rec.frames.append(Frame(step, BWD, info, [relabelled(measured, label)], False, first_for_module and params,
-                                    False, source))
+            rec.frames.append(Frame(step, BWD, info, [relabelled(measured, label, judged)], False,
+                                    first_for_module and params, False, source))
 
     # ------------------------------------------------------------------ compiled regions' edges
     def region_enter(self, region: Region, module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:

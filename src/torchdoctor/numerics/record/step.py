@@ -78,6 +78,7 @@ class StepRecord:
     root_calls: list = field(default_factory=list)  # the model's calls, kept for a replay (calls.RootCall)
     continued: bool = False  # compat: the same batch goes on (a submodule called on its own ended a record)
     live: bool = True  # every module's call recorded as it ran (else only the model's own: replayed if it goes bad)
+    module_grads: bool = False  # live, and the gradient at every module's output recorded too
     weights: StatBuffer | None = None  # the weights of the frames kept as context, measured as the step ended
     # forward calls waiting to be labelled and measured (settle()): (frame, args, kwargs, output, versions)
     calls: list[tuple] = field(default_factory=list)

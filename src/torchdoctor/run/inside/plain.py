@@ -1,9 +1,10 @@
-"""A plain training loop under ``run --numerics``: the model is found from the first optimizer that steps.
-
-torch calls every global optimizer step pre-hook before the optimizer's own pre-hooks, and reads the optimizer's
-hooks only after the global ones have run: a monitor attached from the global hook has its own step pre-hook run
-in that same ``step()``, so even the first update is checked before it is applied (the first forward ran before
-the monitor existed: its gradients are checked, its modules' outputs were not seen).
+"""A plain training loop under ``run --numerics``: the model is found at its first training forward
+(:mod:`.first_forward`), or else from the first optimizer that steps (here), for a loop whose training forward
+came before its optimizer existed, or a second model: torch calls every global optimizer step pre-hook before the
+optimizer's own pre-hooks, and reads the optimizer's hooks only after the global ones have run: a monitor attached
+from the global hook has its own step pre-hook run in that same ``step()``, so even that update is checked before
+it is applied (the forward ran before the monitor existed: its gradients are checked, its modules' outputs were
+not seen).
 
 Which model: of the modules alive in the process (a ``gc`` scan, once per optimizer), the outermost one that holds
 the most of the optimizer's parameters (so a ``DistributedDataParallel``, ``torch.compile`` or Fabric wrapper is
@@ -61,6 +62,23 @@ def pick_model(wanted: set[int], modules: list[nn.Module] | None = None) -> nn.M
             return best
         level = [c for c in best._modules.values() if c is not None]  # a container: look inside
     return None
+
+
+def optimizer_of(module: nn.Module) -> Any:
+    """The torch optimizer alive in the process that holds the most of ``module``'s trainable parameters, or None
+    (one ``gc`` scan: at a first training forward, never per step)."""
+    mine = {id(p) for p in module.parameters() if p.requires_grad}
+    if not mine:
+        return None
+    found = [(len(mine & param_ids(o)), o) for o in gc.get_objects()
+             if issubclass(type(o), torch.optim.Optimizer)]  # (type(): a lazy proxy warns on isinstance)
+    most = max((n for n, _ in found), default=0)
+    if not most:
+        return None
+    best = [o for n, o in found if n == most]
+    # a wrapper around another of them (Fabric's, accelerate's): the optimizer inside, as its step hook would see it
+    inner = {id(getattr(o, attr, None)) for o in best for attr in ("optimizer", "_optimizer")}
+    return next((o for o in best if id(o) in inner), best[0])
 
 
 def find_scaler() -> Any:

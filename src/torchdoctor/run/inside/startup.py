@@ -11,6 +11,7 @@ hooks are doubled).
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from collections.abc import Callable
@@ -74,22 +75,36 @@ class Switch:
         """A monitor already watches this model: the script's own (noted once), or one of ours."""
         if monitor is None:
             return False
-        if monitor._via != "switch" and monitor not in self.monitors:
+        if monitor.via != "switch" and monitor not in self.monitors:
             self.monitors.append(monitor)
             self.warn(f"the script attaches its own monitor ({monitor.watching}): --numerics leaves it to it")
-            self._mark(monitor, {"watching": monitor.watching, "via": monitor._via, "own": True})
+            self._mark(monitor, {"watching": monitor.watching, "via": monitor.via, "own": True})
         return True
 
     # ------------------------------------------------------------------ attaching
-    def plain(self, model: Any, optimizer: Any, scaler: Any) -> None:
-        """From inside the first ``optimizer.step()`` of a plain loop (:mod:`.plain`)."""
+    def plain(self, model: Any, optimizer: Any, scaler: Any, call: tuple | None = None) -> None:
+        """A plain loop's model (:mod:`.plain`): from its first training forward (``call``: the module call under
+        way, handed to the monitor), or from inside the first ``optimizer.step()`` (its forward was not seen)."""
         from ...numerics.monitor import NumericsMonitor, monitor_of
 
         if self._own(monitor_of(model)):
             return
         monitor = NumericsMonitor(model, optimizer, scaler=scaler, _via="switch", **self.monitor_kwargs)
-        monitor._joined_mid_step()
+        if call is not None:
+            monitor._joined_in_forward(*call)
+        else:
+            monitor._joined_mid_step()
         self.announce(monitor, "plain")
+
+    def finish(self) -> None:
+        """The process ends (``atexit``): close the monitors the switch attached, so that what they found only at the
+        end (a loss scaler that skipped every step) is written."""
+        for monitor in self.monitors:
+            if monitor.via == "switch":
+                try:
+                    monitor.close()
+                except Exception as e:  # (the process is ending: say it, never raise)
+                    self.warn(f"could not close the monitor: {type(e).__name__}: {e}")
 
     def engine(self, engine: Any) -> None:
         """The engine ``deepspeed.initialize`` returned."""
@@ -133,7 +148,14 @@ def install(options: dict[str, Any]) -> Switch:
     def optimizers(module: Any) -> None:
         module.register_optimizer_step_pre_hook(first_steps)
 
+    def modules(module: Any) -> None:  # (torch.nn.modules.module: imported while torch is; the hooks wait for calls)
+        from .first_forward import FirstForward
+
+        FirstForward(switch.plain, switch.warn).install(module)
+
+    when_imported("torch.nn.modules.module", _guarded(switch, "torch's modules", modules))
     when_imported("torch.optim.optimizer", _guarded(switch, "torch's optimizers", optimizers))
+    atexit.register(switch.finish)
     when_imported("transformers.trainer", _guarded(switch, "the HF Trainer", lambda m: trainers.hf(m, switch)))
     for name in ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer"):
         when_imported(name, _guarded(switch, "Lightning's Trainer", lambda m: trainers.lightning(m, switch)))

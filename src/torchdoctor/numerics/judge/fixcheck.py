@@ -1,0 +1,411 @@
+"""A fix is tried on the bad step before it is printed.
+
+When a step is about to be stopped, the micro-batch whose replay reproduced the fault (:class:`~.replay.Replayer`)
+is run again with the proposed change in place -- the region in fp32 (:func:`~..fp32.keep_fp32` for the length of
+the replay), bf16 autocast instead of fp16 -- and the report says what came of it (``fix_check``): ``"fixed"``
+(every value of the replayed forward and backward finite; the fix printed is that one), ``"not fixed"`` (no change
+tried made it finite), or ``"not checked"`` with the reason (the fix changes the data, the code or the
+optimisation, which a replay cannot try; the fault did not reproduce; the model is sharded).
+
+A fix that does not fix the step is not printed as the fix. The candidates, tried in order until one works: the
+region the diagnosis names (unless ``keep_fp32`` keeps it already: a fix already applied is never proposed again),
+then that region with the module run after it and the one run before it (a region too small leaves its boundary to
+overflow: its fp32 output cast down for the next module, or its fp32 input gradient cast down for the module before
+it), its enclosing module, then bf16. When
+none works, the step is run once more in fp32 (autocast off) under autograd's anomaly mode (a nan in the backward) or
+an op-by-op check (a nan in the forward): a nan that fp32 does not cure is no dtype's overflow but an invalid
+operation, named with its op and the line of the user's code that made it (:mod:`..explain.invalid_ops`).
+
+Cost: only on a step that stops the run, at most eight replays of one micro-batch (:data:`REGIONS` regions, bf16,
+fp32), plus one to name an invalid op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..explain import causes
+from ..explain.diagnosis import Setup, keep_fp32_fixes
+from ..explain.invalid_ops import repair
+from ..explain.report import NonFiniteReport
+from ..fp32 import keep_fp32
+from ..record.calls import RootCall
+from ..record.watched import WatchedModel
+from .replay import Replayer
+
+FIXED, NOT_FIXED, NOT_CHECKED = "fixed", "not fixed", "not checked"
+REGIONS = 6  # regions tried (the one named, then the modules around it); then bf16 and fp32: 8 replays at most
+
+# causes whose fix is a dtype (a region in fp32, bf16): a replay can try it
+_PRECISION = (causes.LOW_PRECISION_OVERFLOW, causes.SQUARE_OVERFLOW, causes.BOUNDARY_OVERFLOW,
+              causes.BACKWARD_OVERFLOW, causes.SCALE_COLLAPSE)
+# causes whose nan may be an invalid op: fp32 is tried, then the op is looked for
+_MAYBE_INVALID = (causes.INVALID_OP, causes.BACKWARD_NONFINITE)
+# why a fix of each other cause is not something a replay can try
+_NOT_CHECKABLE = {
+    causes.BAD_INPUT: "the fix changes the data",
+    causes.BETWEEN_MODULES: "the fix changes the model's code",
+    causes.BAD_WEIGHT: "the fix changes the weights (the checkpoint, or what wrote them)",
+    causes.DIVERGENCE: "the fix changes the optimisation (learning rate, clipping, warm-up)",
+    causes.MODEL_LOSS: "the fix changes the labels or masks of the batch",
+    causes.LOSS_OUTSIDE_MODEL: "the fix changes the loss or its targets, outside the model",
+    causes.MARKED_VALUE: "the fix changes the code that computes the marked value",
+    causes.RANGE_OVERFLOW: "no dtype holds a larger number than fp32: the fix changes the computation",
+    causes.TRANSIENT: "the fault did not reproduce",
+    causes.OTHER_RANK: "the fault is another rank's",
+    causes.UNKNOWN_GRADIENT: "which gradient went bad is unknown",
+    causes.UNLOCALIZED: "the step could not be replayed",
+}
+_OURS = (os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+         os.path.dirname(os.path.abspath(torch.__file__)))
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>.*)$', re.M)
+
+
+@dataclass
+class _Try:
+    """One change tried on the bad step."""
+
+    label: str  # said in the report: "keep_fp32('block1')", "bf16 autocast"
+    fix: str  # the fix printed when it works
+    regions: tuple[str, ...] = ()  # modules kept in fp32 for the replay
+    autocast: tuple[tuple[str, torch.dtype], ...] | None = None  # instead of the call's
+    weights: torch.dtype | None = None  # the model's fp16 weights, buffers and inputs in this dtype for the replay
+
+
+class FixChecker:
+    """Tries a bad step's fix on it (see the module docstring)."""
+
+    def __init__(self, replayer: Replayer, watched: WatchedModel) -> None:
+        self.replayer = replayer
+        self.watched = watched
+        self.scope = "forward and backward"  # what the last try replayed
+
+    def check(self, report: NonFiniteReport, setup: Setup) -> None:
+        """Set ``report.fix_check`` (and its reason); replace a fix that does not fix the step by one that does, or
+        by the invalid operation's repair."""
+        cause = report.cause
+        if cause in _NOT_CHECKABLE:
+            return _said(report, NOT_CHECKED, _NOT_CHECKABLE[cause])
+        if cause not in _PRECISION and cause not in _MAYBE_INVALID:
+            return _said(report, NOT_CHECKED, "no fix a replay can try")
+        if self.replayer.reproduced is None:
+            why = report.replay_reason or "the step was not replayed"
+            return _said(report, NOT_CHECKED, f"the fault was not reproduced by a replay ({why})")
+        call, backward, frames = self.replayer.reproduced
+        nan = report.first is not None and report.first.value == "nan"
+        narrow = bool(call.autocast) or _narrow_weights(self.watched.root)
+        if not narrow:  # every value fp32 or wider: no dtype to widen to
+            if nan and cause in _MAYBE_INVALID:
+                found = self._invalid_op(call, backward)
+                if found is not None:
+                    return self._invalid(report, found, backward)
+            return _said(report, NOT_CHECKED, "the step computes in fp32 (no autocast, no fp16 weights): there is no "
+                         "wider dtype to try, so the fix changes the computation")
+        tries = self._tries(report, setup, call, frames) if cause in _PRECISION else []
+        if call.autocast:  # the whole model in fp32: the widest dtype change there is
+            tries.append(_Try("fp32 (autocast off)", "train this model in fp32 (autocast off): no smaller change tried "
+                              "made this step finite", autocast=()))
+        else:
+            tries.append(_Try("fp32 weights", "train this model in fp32 (model.float(); Lightning: "
+                              "precision='32-true'): no smaller change tried made this step finite",
+                              weights=torch.float32))
+        for t in tries:
+            if self._finite(call, backward, t):
+                return self._fixed(report, t, tries, setup)
+        # no dtype change made it finite, fp32 included: not a precision problem
+        tried = _tried(tries)
+        if nan:
+            found = self._invalid_op(call, backward)
+            if found is not None:
+                return self._invalid(report, found, backward)
+        report.diagnosis += (f" (Checked on this step: {tried} did not make it finite -- not even fp32, so more "
+                             "precision is not the fix" + (": the values are beyond fp32's range too" if not nan else
+                                                           "") + ".)")
+        report.fix = ("no dtype change made this step finite (tried on it: " + tried + "): find the op that makes the "
+                      "value -- torch.autograd.set_detect_anomaly(True) names a backward op and the forward line that "
+                      "made it; torchdoctor.mark(x, 'label') narrows a forward one down")
+        report.fp32_region = None
+        return _said(report, NOT_FIXED, f"tried on this step: {tried}; none made it finite" + (
+            ", and no single op turning finite values into nan could be named" if nan else ""))
+
+    # ------------------------------------------------------------------ what is tried
+    def _tries(self, report: NonFiniteReport, setup: Setup, call: RootCall, frames: list) -> list[_Try]:
+        """The region the diagnosis names, then regions around it -- with the module run after it (its output
+        overflowing the next module's narrow input), with the one run before it (the gradient its fp32 backward
+        sends back overflowing at its input), both, its parent, the parent with its neighbours -- up to
+        :data:`REGIONS` in all, none of them a guard that is on already; then bf16 (autocast, or the weights of a
+        ``model.half()`` network). ``frames``: the replay's, whose order says which modules ran around the region."""
+        out: list[_Try] = []
+        names = {name for name, _ in self.watched.modules}
+        region = report.fp32_region
+        if region:
+            kept = setup.kept_fp32
+            before, after = _neighbours(frames, region, kept)
+            parent = region.rpartition(".")[0]
+            p_before, p_after = _neighbours(frames, parent, kept) if parent else (None, None)
+            shapes = [(region,), (region, after), (before, region), (before, region, after), (parent,),
+                      (parent, p_after), (p_before, parent)]
+            seen: set[tuple[str, ...]] = set()
+            for shape in shapes:
+                regions = tuple(r for r in shape if r)
+                if len(regions) != len(shape) or regions in seen or not all(r in names for r in regions):
+                    continue
+                seen.add(regions)
+                if any(_kept(r, setup.kept_fp32) for r in regions) or len(out) >= REGIONS:
+                    continue
+                label = " + ".join(f"keep_fp32({r!r})" for r in regions)
+                out.append(_Try(label, keep_fp32_fixes(regions, setup.kept_fp32), regions=regions))
+        if _narrow_weights(self.watched.root) and not call.autocast:  # a model.half() network: its weights narrow
+            out.append(_Try("bf16 weights", "keep the weights in bf16 instead of fp16 where the device has it "
+                            "(model.to(torch.bfloat16); Lightning: precision='bf16-true'; the HF Trainer: --bf16)",
+                            weights=torch.bfloat16))
+        if _narrow_autocast(call):
+            bf16 = tuple((device, torch.bfloat16) for device, _ in call.autocast)
+            out.append(_Try("bf16 autocast", "train in bf16 where the device has it (torch.autocast(device_type, "
+                            "dtype=torch.bfloat16), no GradScaler needed)", autocast=bf16))
+        return out
+
+    def _finite(self, call: RootCall, backward: bool, t: _Try) -> bool:
+        """Is the call finite when replayed with ``t``: its forward, and its backward from the gradient its outputs
+        received when that gradient was finite (a loss's: the same whatever the fix; an output's in a backward fault:
+        what the loss sent in). Where it was not finite (a forward that went bad), the forward alone is checked, and
+        :attr:`scope` says so."""
+        variant = None
+        if t.regions:
+            modules = dict(self.watched.modules)
+            variant = _kept_for_replay([modules[r] for r in t.regions], self.watched.root)
+        elif t.weights is not None:
+            variant = _weights_as(self.watched.root, t.weights)
+            call = dataclasses.replace(call, args=_narrow_to(call.args, t.weights),
+                                       kwargs=_narrow_to(call.kwargs, t.weights))
+        seeds = list(call.output_grads.values())
+        whole = bool(seeds) and all(bool(torch.isfinite(g).all()) for g in seeds)
+        self.scope = "forward and backward" if whole else "forward"
+        try:
+            frames = self.replayer.replay_call(call, whole, variant=variant, autocast=t.autocast)
+        except Exception:  # (a replay that cannot run is no evidence either way)
+            return False
+        return all(ln.finite for f in frames for ln in f.lines if ln.judged)
+
+    def _fixed(self, report: NonFiniteReport, t: _Try, tries: list[_Try], setup: Setup) -> None:
+        failed = _tried(tries[: tries.index(t)])
+        how = f"the bad step was run again with {t.label}: every value of its {self.scope} finite"
+        if self.scope == "forward":
+            how += (" (its backward was not checked: the gradient the loss sent in came from the broken forward, and "
+                    "the loss is computed outside the model)")
+        if t.regions == (report.fp32_region,):
+            return _said(report, FIXED, how)
+        region = report.fp32_region
+        said = []
+        if region and _kept(region, setup.kept_fp32):
+            said.append(f"keep_fp32 keeps {region} in fp32 already")
+        if failed:
+            said.append(f"{failed} did not make this step finite")
+        report.fix = t.fix
+        report.fp32_region = t.regions[0] if len(t.regions) == 1 else None
+        report.diagnosis += f" (Checked on this step: {'; '.join(said) + '; ' if said else ''}{t.label} did.)"
+        return _said(report, FIXED, how + (f"; {failed} tried first, not enough" if failed else ""))
+
+    # ------------------------------------------------------------------ an invalid operation
+    def _invalid_op(self, call: RootCall, backward: bool) -> dict[str, Any] | None:
+        """Run the step once more in fp32 and name the first op that turned finite values into non-finite ones (a nan
+        in the forward; an inf or a nan in the backward, where a derivative is infinite at 0 before a product with 0
+        makes the nan), with the user's line: autograd's anomaly mode records the forward line of each backward
+        node, and an op-by-op check names the node running when it happened."""
+        finder = _FirstNonFinite()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (anomaly mode says it is on)
+            with contextlib.suppress(Exception):
+                self.replayer.replay_call(call, backward, variant=finder.watching(),
+                                          autocast=() if call.autocast else None)
+        return finder.found
+
+    def _invalid(self, report: NonFiniteReport, found: dict[str, Any], backward: bool) -> None:  # noqa: ARG002
+        what, why, fix = repair(found["op"])
+        where = found.get("where")
+        line = f" at {where['file']}:{where['line']} ({where['code']})" if where else ""
+        in_backward = found["phase"] == "backward"
+        kind = "its derivative has no finite value in the backward" if in_backward else "it makes nan in the forward"
+        text = (f"an invalid operation: {what}{line} -- {kind} because {why}. The step was run again in fp32 and "
+                f"stayed non-finite, so it is no overflow of a dtype and more precision does not fix it: "
+                f"{found['op']} was the first op to turn finite values into non-finite ones.")
+        seen = report.diagnosis.split(". ")[0].rstrip(".") if report.diagnosis else ""
+        report.diagnosis = text + (f" What the step's frames show: {seen}." if seen else "")
+        report.fix = fix + (f" (in {where['file']}:{where['line']})" if where else "")
+        report.cause, report.fp32_region = causes.INVALID_OP, None
+        report.evidence, report.cited = (), []
+        _said(report, NOT_CHECKED, "the repair changes the model's code; the step stayed nan in fp32, which rules "
+              "every dtype fix out")
+
+
+def _tried(tries: list[_Try]) -> str:
+    """What was tried, as a report says it: every try, or, past three, the first and the last fp32 region and how many
+    lay between them."""
+    regions = [t for t in tries if t.regions]
+    others = [t.label for t in tries if not t.regions]
+    if len(regions) > 3:
+        said = [f"{len(regions)} fp32 regions from {regions[0].label} to {regions[-1].label}"]
+    else:
+        said = [t.label for t in regions]
+    return ", ".join(said + others)
+
+
+def _said(report: NonFiniteReport, status: str, reason: str) -> None:
+    report.fix_check, report.fix_check_reason = status, reason
+
+
+def _parents(name: str) -> list[str]:
+    """``a.b.c`` -> [``a.b``, ``a``] (the root, all fp32, is tried as autocast off instead)."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+
+
+def _neighbours(frames: list, region: str, kept: tuple[str, ...] = ()) -> tuple[str | None, str | None]:
+    """The modules run just before and just after ``region`` in the step's forward (neither inside it nor around
+    it, nor kept in fp32 already: a guard beside it makes the region wider), from the frames of the step: siblings
+    or cousins, in execution order."""
+    order: list[str] = []
+    for f in frames:
+        if f.phase == "fwd" and f.name and not f.root and f.name not in order:
+            order.append(f.name)
+
+    def apart(name: str) -> bool:
+        return not (name == region or name.startswith(region + ".") or region.startswith(name + ".")
+                    or _kept(name, kept))
+
+    if region not in order:
+        return None, None
+    i = order.index(region)
+    before = next((n for n in reversed(order[:i]) if apart(n)), None)
+    after = next((n for n in order[i + 1:] if apart(n)), None)
+    # the outermost module of that neighbour that is still apart from the region (a block, not its first Linear)
+    return _outermost(before, region, order), _outermost(after, region, order)
+
+
+def _outermost(name: str | None, region: str, order: list[str]) -> str | None:
+    if name is None:
+        return None
+    parent = region.rpartition(".")[0]
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        candidate = ".".join(parts[:i])
+        if candidate.rpartition(".")[0] == parent and candidate in order + [name]:
+            return candidate
+    return name
+
+
+def _kept(name: str, kept: tuple[str, ...]) -> bool:
+    return any(k == name or name.startswith(k + ".") or not k for k in kept)
+
+
+def _narrow_weights(root: Any) -> bool:
+    """Are the model's floating weights fp16 (a ``model.half()`` network, Lightning's ``16-true``)?"""
+    return any(p.dtype == torch.float16 for p in root.parameters())
+
+
+@contextlib.contextmanager
+def _weights_as(root: Any, dtype: torch.dtype) -> Any:
+    """The model's fp16 parameters and buffers held in ``dtype`` for the length of a replay, then put back exactly
+    (the fp16 values are kept, not recomputed from the other dtype)."""
+    saved = [(t, t.data) for t in (*root.parameters(), *root.buffers()) if t.dtype == torch.float16]
+    try:
+        for t, data in saved:
+            t.data = data.to(dtype)
+        yield
+    finally:
+        for t, data in saved:
+            t.data = data
+
+
+def _narrow_to(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` (a call's arguments) with its fp16 tensors in ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.dtype == torch.float16 else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_narrow_to(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _narrow_to(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _narrow_autocast(call: RootCall) -> bool:
+    return any(dtype == torch.float16 for _, dtype in call.autocast)
+
+
+@contextlib.contextmanager
+def _kept_for_replay(modules: list, root: Any) -> Any:
+    """``modules`` kept in fp32 for the length of a replay, and not a moment longer."""
+    guard = keep_fp32(modules, model=root)
+    try:
+        yield
+    finally:
+        guard.remove()
+
+
+def _user_frame(trace: str) -> dict[str, Any] | None:
+    """The innermost frame of a forward traceback (anomaly mode's) that is the user's code, not torch's or ours."""
+    frames = [m.groupdict() for m in _FRAME.finditer(trace)]
+    for f in reversed(frames):
+        path = os.path.abspath(f["file"])
+        if not path.startswith(_OURS):
+            return {"file": f["file"], "line": int(f["line"]), "code": f["code"].strip()}
+    return None
+
+
+class _FirstNonFinite(TorchDispatchMode):
+    """The first op of a replay that makes a non-finite value from inputs that were all finite: in the forward a nan
+    (an inf there is an overflow, not an invalid op), in the backward an inf or a nan, with the backward node running
+    it and the forward line that made that node (anomaly mode's record)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: dict[str, Any] | None = None
+
+    @contextlib.contextmanager
+    def watching(self) -> Any:
+        with torch.autograd.set_detect_anomaly(True, check_nan=False), self:
+            yield
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        out = func(*args, **(kwargs or {}))
+        if self.found is not None:
+            return out
+        node = torch._C._current_autograd_node()
+        bad = _has_nan(out) or (node is not None and _has_inf(out))
+        if bad and not any(_has_nan(a) or _has_inf(a) for a in (*args, *(kwargs or {}).values())):
+            if node is not None:
+                trace = "".join(node.metadata.get("traceback_") or ())
+                self.found = {"op": node.name(), "where": _user_frame(trace), "phase": "backward"}
+            else:
+                self.found = {"op": str(func), "where": _user_frame("".join(traceback.format_stack())),
+                              "phase": "forward"}
+        return out
+
+
+def _has_nan(x: Any) -> bool:
+    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) and x.numel():
+        return bool(torch.isnan(x).any())
+    if isinstance(x, (list, tuple)):
+        return any(_has_nan(v) for v in x)
+    return False
+
+
+def _has_inf(x: Any) -> bool:
+    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) and x.numel():
+        return bool(torch.isinf(x).any())
+    if isinstance(x, (list, tuple)):
+        return any(_has_inf(v) for v in x)
+    return False
+
+
+__all__ = ["FIXED", "NOT_CHECKED", "NOT_FIXED", "FixChecker"]
