@@ -13,6 +13,9 @@ thread), AdamW, for batch sizes 1, 4 and 16:
   forward is made to go inf in block 2's MLP (a forward hook multiplies by inf) or whose backward is (a tensor
   hook on that MLP's output makes its gradient inf), raised as ``NonFiniteError`` after the replay -- its time
   minus the healthy watched step's is what the replay cost;
+* what a stop costs under fp16 autocast, where the fix is checked before it is printed (issue 31): the healthy
+  autocast step (watched), and the same step with block 2's MLP weight scaled past fp16's range from the start
+  (raised after the replay and the fix check, which tries the regions around it, bf16 and fp32 on the bad step);
 * the bytes kept for a backward replay per micro-batch: the model returning its own loss (``labels=``: the 0-d
   loss's gradient) and the model returning logits with the loss computed by the loop (the logits' gradient:
   batch x tokens x vocab x 4 bytes), against ``calls.GRAD_BYTES_KEPT``.
@@ -48,8 +51,12 @@ def batch_of(n: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n, TOKENS), generator=torch.Generator().manual_seed(n))
 
 
-def step(model, opt, ids, loss_outside: bool = False) -> None:
-    if loss_outside:
+def step(model, opt, ids, loss_outside: bool = False, fp16: bool = False) -> None:
+    if fp16:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    elif loss_outside:
         logits = model(input_ids=ids).logits
         F.cross_entropy(logits.view(-1, VOCAB), ids.view(-1)).backward()
     else:
@@ -110,8 +117,40 @@ def cost(batch: int, reps: int) -> dict:
         out[f"bad_{phase}_ms"] = timed(bad, max(3, reps // 3)) * 1e3
         handle.remove()
     mon.close()
+    out.update(fix_check_cost(base, ids, reps))
     out["kept_bytes_loss"] = kept_bytes(base, ids, loss_outside=False)
     out["kept_bytes_logits"] = kept_bytes(base, ids, loss_outside=True)
+    return out
+
+
+def fix_check_cost(base: torch.nn.Module, ids: torch.Tensor, reps: int) -> dict:
+    """A healthy fp16-autocast step (watched), and a stop whose fix is checked: block 2's MLP overflows fp16."""
+    model = copy.deepcopy(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    out = {}
+    with NumericsMonitor(model, opt, report_dir="/tmp/torchdoctor-replay-cost"):
+        for _ in range(2):
+            step(model, opt, ids, fp16=True)
+        out["healthy_fp16_ms"] = timed(lambda: step(model, opt, ids, fp16=True), reps) * 1e3
+        weight = model.transformer.h[2].mlp.c_fc.weight
+        saved = weight.detach().clone()
+        checks = []
+
+        def bad():
+            with torch.no_grad():
+                weight.mul_(3e4)
+            try:
+                step(model, opt, ids, fp16=True)
+            except NonFiniteError as e:
+                checks.append(e.details.fix_check)
+            else:
+                raise AssertionError("the bad step was not found")
+            finally:
+                with torch.no_grad():
+                    weight.copy_(saved)
+
+        out["stop_fp16_ms"] = timed(bad, max(3, reps // 3)) * 1e3
+        out["fix_check"] = checks[-1]
     return out
 
 
@@ -155,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['bad_bwd_ms'] / r['healthy_ms']:>6.2f}x {r['kept_bytes_loss']:>10} B {shown:>14}")
     print(f"(kept: the gradient at the model's output held until the step is checked, bound "
           f"{calls.GRAD_BYTES_KEPT / 2**20:.0f} MiB per micro-batch; 'not': above it, not kept)")
+    print("\nunder fp16 autocast: a stop whose fix is checked on the bad step (block 2's MLP past fp16's range)")
+    print(f"{'batch':>5} {'healthy':>9} {'stop':>9} {'ratio':>7}  fix check")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['healthy_fp16_ms']:>7.1f}ms {r['stop_fp16_ms']:>7.1f}ms "
+              f"{r['stop_fp16_ms'] / r['healthy_fp16_ms']:>6.2f}x  {r['fix_check']}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=2)

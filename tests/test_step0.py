@@ -176,8 +176,15 @@ def test_the_switch_says_a_scaler_skipped_every_step(tmp_path):
     assert "numerics.not-attached" not in ids(rep)
 
 
-def test_the_switch_is_silent_on_a_healthy_scaler_loop(tmp_path):
-    rc, rep, got = switched(tmp_path, "scaler", "none")
-    assert rc == 0 and got["updates"] == W.STEPS
+@pytest.mark.parametrize("kind", ["scaler", "lightning"])
+def test_the_switch_is_silent_on_a_healthy_run(tmp_path, kind):
+    """A healthy GradScaler loop, and a LightningModule whose training_step calls its submodules: watched (attached),
+    no finding, no warning (a step that calls submodules was once told 'compiled after the monitor attached')."""
+    out = tmp_path / "out"
+    rc, rep, _, err = torchdoctor_run(tmp_path, "--numerics", "--", PY, WORKER, kind, "none", str(out),
+                                      timeout=300, OMP_NUM_THREADS="1")
+    got = json.loads((out / "result.json").read_text())
+    assert rc == 0 and got.get("updates", got.get("steps")) == W.STEPS, err[-2000:]
     assert "numerics.nonfinite" not in ids(rep)
     assert the(rep, "numerics.attached")["severity"] == "ok"
+    assert "MonitorWarning" not in err and "torchdoctor:" not in err, err[-2000:]

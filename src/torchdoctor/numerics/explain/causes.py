@@ -160,7 +160,8 @@ def _largest_weight(frames: list[ResolvedFrame], step: int) -> tuple[str, float]
 
 def divergence(frames: list[ResolvedFrame], index: int, trail: list[tuple[int, float]] | None) -> str | None:
     """The evidence of a diverging run, or None: the largest finite value of the recent steps grew by
-    at least :data:`GROWTH_FACTOR` from the smallest one before it, with the peak in the last two steps."""
+    at least :data:`GROWTH_FACTOR` from the smallest one before it, with the peak in the last two steps, over two
+    steps or more and already climbing (2x) before the last one."""
     if not trail:
         return None
     step = frames[index].step
@@ -175,6 +176,10 @@ def divergence(frames: list[ResolvedFrame], index: int, trail: list[tuple[int, f
         return None
     base_at = min(range(peak_at), key=lambda i: series[i][1]) if peak_at else None
     if base_at is None or series[peak_at][1] < GROWTH_FACTOR * series[base_at][1]:
+        return None
+    # a trend, not one jump: the values were already climbing before the last step (a weight written between two
+    # steps, one bad batch, make a single jump -- seen as such, it is not called a diverging optimisation)
+    if peak_at - base_at < 2 or series[peak_at - 1][1] < 2 * series[base_at][1]:
         return None
     (s0, v0), (s1, v1) = series[base_at], series[peak_at]
     shown = ", ".join(f"{v:.2e}" for _, v in series[base_at:])

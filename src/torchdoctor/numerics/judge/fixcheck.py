@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import traceback
@@ -393,18 +394,22 @@ class _FirstNonFinite(TorchDispatchMode):
 
 
 def _has_nan(x: Any) -> bool:
-    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) and x.numel():
-        return bool(torch.isnan(x).any())
-    if isinstance(x, (list, tuple)):
-        return any(_has_nan(v) for v in x)
-    return False
+    return _has(x, math.isnan, torch.isnan)
 
 
 def _has_inf(x: Any) -> bool:
+    return _has(x, math.isinf, torch.isinf)
+
+
+def _has(x: Any, number: Any, tensor: Any) -> bool:
+    """Does ``x`` -- a tensor, a Python number an op is given (``x * float("inf")``), a list or tuple of them -- hold a
+    value ``number`` / ``tensor`` says yes to?"""
+    if isinstance(x, float):
+        return number(x)
     if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) and x.numel():
-        return bool(torch.isinf(x).any())
+        return bool(tensor(x).any())
     if isinstance(x, (list, tuple)):
-        return any(_has_inf(v) for v in x)
+        return any(_has(v, number, tensor) for v in x)
     return False
 
 

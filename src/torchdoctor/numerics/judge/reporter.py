@@ -52,10 +52,8 @@ class Reporter:
         as_warning(report, causes.NONFINITE_LOSS)
         self.warnings.append(report)
         paths = self.write(report, basename="torchdoctor-nonfinite-loss")
-        message = (f"torchdoctor: step {report.step}: {loss_name(report)} is {report.first.value} while every "
-                   f"gradient is finite; the update was applied and the run goes on. Report: {paths[0]}")
-        log.warning("%s\n%s", message, report.text())
-        warnings.warn(message, NonFiniteWarning, stacklevel=user_stacklevel())
+        _said(report, f"torchdoctor: step {report.step}: {loss_name(report)} is {report.first.value} while every "
+                      f"gradient is finite; the update was applied and the run goes on. Report: {paths[0]}")
 
     def transient(self, report: NonFiniteReport) -> None:
         """``transient="skip"``: a step whose fault did not reproduce was refused (its gradients dropped); kept in
@@ -66,10 +64,8 @@ class Reporter:
         report.watched = report.watched or self.watching
         self.transients.append(report)
         paths = self.write(report, basename="torchdoctor-transient")
-        message = (f"torchdoctor: step {report.step} went non-finite and its replay did not reproduce it (a transient "
-                   f"fault); its update was refused and the run goes on. Report: {paths[0]}")
-        log.warning("%s\n%s", message, report.text())
-        warnings.warn(message, NonFiniteWarning, stacklevel=user_stacklevel())
+        _said(report, f"torchdoctor: step {report.step} went non-finite and its replay did not reproduce it (a "
+                      f"transient fault); its update was refused and the run goes on. Report: {paths[0]}")
 
     def never_stepped(self, steps: int, deepspeed: bool, narrow: bool = True) -> NonFiniteReport | None:
         """The run ends and its loss scaler skipped every one of its ``steps``: no update was ever applied, the model
@@ -104,3 +100,9 @@ class Reporter:
         log.error("%s\n%s", message, report.text())
         warnings.warn(message, NonFiniteWarning, stacklevel=2)
         return report
+
+
+def _said(report: NonFiniteReport, message: str) -> None:
+    """A finding the run goes on after: logged with its report, and warned about where the user's code is."""
+    log.warning("%s\n%s", message, report.text())
+    warnings.warn(message, NonFiniteWarning, stacklevel=user_stacklevel())
