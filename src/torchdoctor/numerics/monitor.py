@@ -90,6 +90,8 @@ from .measure.windows import window_reduce_works
 from .options import check_options, default_report_dir
 from .record.recorder import Recorder
 from .record.watched import WatchedModel
+from .timeline.steps import Timeline
+from .timeline.store import TimelineWriter
 
 log = logging.getLogger("torchdoctor.numerics")
 
@@ -116,6 +118,15 @@ def mark(tensor: torch.Tensor, label: str) -> None:
     running = [m for m in live if m._recorder.root_depth > 0 or m._recorder.rerunning]
     for monitor in running or live:
         monitor.mark(tensor, label)
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("torchdoctor")
+    except importlib.metadata.PackageNotFoundError:  # (run from a source tree that was not installed)
+        return "unknown"
 
 
 def _dist_rank_world() -> tuple[int | None, int]:
@@ -181,6 +192,13 @@ class NumericsMonitor:
             is known only once step() is first called; say so when a step has several forwards). The check
             then runs at step(), not in front of the optimizer: call it before ``optimizer.step()``.
         stream (TextIO, optional): where traces are printed. Defaults to sys.stdout.
+        record (str, optional): a folder to record the run's numerics timeline into: every ``record_every``-th step is
+            watched every module (module-level gradients too), each module's (abs min, abs max) kept on the device
+            and appended to ``record/rank<r>/`` every ``record_flush`` recorded steps with one host read, before a
+            :class:`NonFiniteError` is raised, and as the monitor closes (:mod:`.timeline`; read it with
+            ``torchdoctor numerics show``). Defaults to None (nothing recorded).
+        record_every (int): steps between two recorded ones (the others cost the default). Defaults to 1.
+        record_flush (int): recorded steps kept on the device between two writes. Defaults to 50.
 
     Attributes:
         report (NonFiniteReport | None): the last detection, the one raised as :class:`NonFiniteError`.
@@ -215,6 +233,9 @@ class NumericsMonitor:
         sync_ranks: bool | None = None,
         manual_steps: bool = False,
         stream: TextIO | None = None,
+        record: str | os.PathLike | None = None,
+        record_every: int = 1,
+        record_flush: int = 50,
         _hf: bool = False,
         _via: str = "monitor",
         _steps: Callable[..., Steps] = Steps,
@@ -225,7 +246,8 @@ class NumericsMonitor:
             grads=grads, watch=watch, transient=transient, max_frames=max_frames, trace_steps=trace_steps,
             abort_after_step=abort_after_step, headroom=headroom, headroom_every=headroom_every,
             report_dir=report_dir, min_loss_scale=min_loss_scale,
-            max_consecutive_overflows=max_consecutive_overflows, stream=stream,
+            max_consecutive_overflows=max_consecutive_overflows, stream=stream, record=record,
+            record_every=record_every, record_flush=record_flush,
         )
         if scaler is not None:
             LossScaler(scaler)  # refuses what is not a loss scaler, before anything is attached
@@ -263,11 +285,18 @@ class NumericsMonitor:
         judge = Judge(watched, recorder, history, replayer, reporter, check, max_frames=self.max_frames,
                       rank=self.rank, hf=_hf, transient=transient, auto_localize=auto_localize,
                       min_loss_scale=min_loss_scale, max_consecutive_overflows=max_consecutive_overflows)
+        timeline = None
+        if record is not None:
+            timeline = Timeline(TimelineWriter(os.fspath(record), self.rank, {
+                "rank": self.rank, "world_size": world, "torch": torch.__version__, "torchdoctor": _version(),
+                "watching": reporter.watching, "record_every": operator.index(record_every)},
+                operator.index(record_flush)), operator.index(record_every))
         self._steps = _steps(watched=watched, hooks=hooks, recorder=recorder, history=history, check=check,
                              judge=judge, replayer=replayer, reporter=reporter, manual=manual_steps,
                              trace_steps=traced, abort_after_step=self.abort_after_step, max_frames=self.max_frames,
                              rank=self.rank, hf=_hf, via=_via, headroom=self._headroom,
-                             tracer=TraceWriter(self.report_dir, self.rank, stream), stop=self._stop)
+                             tracer=TraceWriter(self.report_dir, self.rank, stream), stop=self._stop,
+                             timeline=timeline)
         recorder.events = self._steps
         self._judge = judge
         self._steps.new_step()
@@ -277,6 +306,8 @@ class NumericsMonitor:
             self.close()  # a refused or failed attach leaves no hook behind
             raise
         reporter.watching = watched.describe(grads, self.watch_level, self.headroom_every)
+        if timeline is not None:
+            timeline.writer.update_settings(watching=reporter.watching)
 
     # ------------------------------------------------------------------ lifecycle
     def _attach(self) -> None:
@@ -477,6 +508,8 @@ class NumericsMonitor:
         self._watched.regions.close()
         self._release_modules()
         self._steps.tracer.close()
+        if self._steps.timeline is not None:
+            self._steps.timeline.close(self.report)
 
     remove = close
 

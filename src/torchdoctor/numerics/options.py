@@ -39,6 +39,9 @@ def check_options(
     min_loss_scale: float = 1.0,
     max_consecutive_overflows: int = 30,
     stream: Any = None,
+    record: Any = None,
+    record_every: Any = 1,
+    record_flush: Any = 50,
     **_: Any,
 ) -> frozenset[int]:
     """Refuse bad options with a clear message (ValueError / TypeError); return the traced steps."""
@@ -70,6 +73,14 @@ def check_options(
         raise ValueError(f"min_loss_scale must be a number >= 0, got {min_loss_scale!r}")
     if not _is_count(max_consecutive_overflows) or max_consecutive_overflows < 1:
         raise ValueError(f"max_consecutive_overflows must be an int >= 1, got {max_consecutive_overflows!r}")
+    if record is not None:
+        if not isinstance(record, (str, os.PathLike)):
+            raise TypeError(f"record must be a folder path, got {type(record).__name__}")
+        if os.path.exists(record) and not os.path.isdir(record):
+            raise ValueError(f"record={os.fspath(record)!r} exists and is not a folder")
+    for name, value in (("record_every", record_every), ("record_flush", record_flush)):
+        if not _is_count(value) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1 (steps), got {value!r}")
     if stream is not None and not callable(getattr(stream, "write", None)):
         raise TypeError(f"stream must be a text stream with write(), got {type(stream).__name__}")
     return frozenset(operator.index(s) for s in steps or ())

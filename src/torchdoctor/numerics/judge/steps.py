@@ -18,7 +18,7 @@ import logging
 import sys
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,9 @@ from .history import History, resolved
 from .judging import OVERFLOW, RAISE, SKIP, Judge, narrow_step
 from .replay import Replayer
 from .reporter import Reporter
+
+if TYPE_CHECKING:
+    from ..timeline.steps import Timeline
 
 log = logging.getLogger("torchdoctor.numerics")
 
@@ -66,7 +69,8 @@ class Steps:
     def __init__(self, *, watched: WatchedModel, hooks: HookSet, recorder: Recorder, history: History,
                  check: StepCheck, judge: Judge, replayer: Replayer, reporter: Reporter, manual: bool,
                  trace_steps: frozenset[int], abort_after_step: int | None, max_frames: int, rank: int | None,
-                 hf: bool, via: str, headroom: Headroom | None, tracer: TraceWriter, stop: Callable[[], None]) -> None:
+                 hf: bool, via: str, headroom: Headroom | None, tracer: TraceWriter, stop: Callable[[], None],
+                 timeline: Timeline | None = None) -> None:
         self.watched = watched
         self.hooks = hooks
         self.recorder = recorder
@@ -83,6 +87,7 @@ class Steps:
         self.via = via
         self.headroom = headroom
         self.tracer = tracer
+        self.timeline = timeline
         self._stop = stop
         self.optimizer = watched.optimizer
         self.scaler = watched.scaler
@@ -119,9 +124,10 @@ class Steps:
         first = self.index == 0 and not self.watched.regions
         if first:
             rec.learning_entries = True  # (the modules a loop calls on its own become entries at this step)
-        live = first or rec.live_default or rec.learning_entries or self.index in self.trace_steps \
+        recorded = self.timeline is not None and self.timeline.due(self.index)
+        live = first or recorded or rec.live_default or rec.learning_entries or self.index in self.trace_steps \
             or (self.headroom is not None and self.headroom.due(self.index))
-        rec.new_record(self.index, live, continued, module_grads=first)
+        rec.new_record(self.index, live, continued, module_grads=first or recorded)
         if self.buffers is not None and not continued:  # a continued step keeps the snapshot of its start
             self.buffers.start()
 
@@ -310,6 +316,8 @@ class Steps:
             self.headroom.warn(self.rank, self.reporter.report_dir)
         if step in self.trace_steps:
             self.tracer.write_step(step, resolved([rec]))
+        if self.timeline is not None:
+            self.timeline.add(step, rec)  # (device ops; written every record_flush steps)
         if ok:
             self.judge.healthy()
             self.history.growth.add(step, peaks)  # a few device ops, read only when a report is built
@@ -418,6 +426,9 @@ class Steps:
 
     def raise_(self, report: NonFiniteReport) -> None:
         self.finish(report)
+        if self.timeline is not None:
+            self.timeline.flush()  # the recording is on disk before anything is raised
+            self.timeline.writer.close(report.to_json())
         raise NonFiniteError(report)
 
     # ------------------------------------------------------------------ the model's calls (StepEvents)
