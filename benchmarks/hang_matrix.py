@@ -4,6 +4,7 @@ Run from the repository root::
 
     .venv/bin/python benchmarks/hang_matrix.py                 # every case, about 6 minutes on 2 cores
     .venv/bin/python benchmarks/hang_matrix.py --cases sleep stop --json
+    .venv/bin/python benchmarks/hang_matrix.py --overhead 2000 --reps 5    # a healthy job: the hook's cost
 
 For each case (``skip`` ... ``transport``, see tests/fault_worker.py; collective timeout 6 s):
 
@@ -18,18 +19,21 @@ For each case (``skip`` ... ``transport``, see tests/fault_worker.py; collective
   "run after" job left (written out as Flight Recorder's pickles, ``fr_<rank>``): its first line that names a
   problem, or how it failed.
 
-Leftover processes (any ``fault_worker.py`` still alive 2 s after the command) are counted for every run.
+Leftover processes (any process of the run -- found by a marker in its environment -- still alive 2 s after the
+command) are counted for every run, then ended.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pickle
 import re
 import selectors
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,10 +58,30 @@ def site_line(case: str) -> int | None:
     return None
 
 
+MARKER = "TORCHDOCTOR_BENCH_RUN"
+
+
+def marked(value: str) -> list[int]:
+    """Processes of this run (its marker in their environment): whatever session they moved to, and no one else's."""
+    needle = f"{MARKER}={value}".encode()
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        out.append(int(name))
+            except OSError:
+                continue
+    return out
+
+
 def timed_run(cmd: list[str], env: dict, limit: float = 150.0) -> dict:
-    """Run ``cmd``; every output line with the time it arrived."""
+    """Run ``cmd``; every output line with the time it arrived; its processes still alive 2 s after it ended."""
     t0 = time.time()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    mark = f"{os.getpid()}-{t0}"
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**env, MARKER: mark},
+                         start_new_session=True)
     sel = selectors.DefaultSelector()
     sel.register(p.stdout, selectors.EVENT_READ, "out")
     sel.register(p.stderr, selectors.EVENT_READ, "err")
@@ -78,13 +102,14 @@ def timed_run(cmd: list[str], env: dict, limit: float = 150.0) -> dict:
     try:
         rc = p.wait(timeout=max(1.0, limit - (time.time() - t0)))
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, 9)
+        os.killpg(p.pid, signal.SIGKILL)
         rc = p.wait()
     end = time.time()
     time.sleep(2.0)
-    left = subprocess.run(["pgrep", "-f", WORKER], capture_output=True, text=True).stdout.split()
+    left = marked(mark)
     for pid in left:
-        subprocess.run(["kill", "-9", pid], capture_output=True)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
     return {"rc": rc, "t0": t0, "end": end, "lines": lines, "leftover": len(left)}
 
 
@@ -168,13 +193,41 @@ def frtrace(folder: str, repair: bool = False) -> dict:
             (text[-1][:160] if text else "")}
 
 
+def overhead(env: dict, steps: int, reps: int) -> dict:
+    """A healthy job's loop time under ``torchdoctor run`` with its default flight hook (heartbeat every second)
+    against ``--no-flight``, the two alternating, first one rotating; the median of each and of the per-pair ratio."""
+    import statistics
+
+    times: dict[str, list[float]] = {"flight": [], "no-flight": []}
+    ratios = []
+    for i in range(reps):
+        pair = {}
+        for variant in (("flight", "no-flight") if i % 2 == 0 else ("no-flight", "flight")):
+            with tempfile.TemporaryDirectory(prefix="hang-overhead-") as tmp:
+                cmd = [PY, "-m", "torchdoctor", "run", "--report-dir", tmp,
+                       *(["--no-flight"] if variant == "no-flight" else []), "--", *TORCHRUN, "ok"]
+                r = timed_run(cmd, {**env, "STEPS": str(steps)})
+            loop = next(float(m.group(1)) for _, _, ln in r["lines"] if (m := re.match(r"loop (\S+) s", ln)))
+            times[variant].append(loop)
+            pair[variant] = loop
+        ratios.append(pair["flight"] / pair["no-flight"])
+    return {"steps": steps, "reps": reps, **{f"{k}_median_s": round(statistics.median(v), 3) for k, v in times.items()},
+            "ratio_median": round(statistics.median(ratios), 3), "ratios": [round(x, 3) for x in ratios]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--overhead", type=int, metavar="STEPS", default=0,
+                    help="instead: a healthy job of STEPS steps with the hook against --no-flight (--reps pairs)")
+    ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src"), "NO_COLOR": "1",
            "STEPS": "8"}
+    if args.overhead:
+        print(json.dumps(overhead(env, args.overhead, args.reps)))
+        return
     rows = []
     for case in args.cases:
         with tempfile.TemporaryDirectory(prefix="hang-matrix-") as tmp:

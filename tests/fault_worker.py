@@ -13,14 +13,15 @@ kill          is killed with SIGKILL.
 exit0         runs out of data: leaves the loop and ends with exit 0 (uneven inputs).
 raise         raises ValueError in ``load_batch``.
 slow          every step, sleeps ``SLOW_S`` (default 0.6 s) in ``load_batch``; the job ends well.
+busy          computes for ``BUSY_S`` (default 4 s) at that step (an evaluation on one rank): no fault, a long wait.
 init-world    passes world_size + 1 to init_process_group.
 init-port     meets at another port than the others (MASTER_PORT + 1, where nothing listens).
 transport     the faulty rank shuts its connections to the others down, then every rank enters the all_reduce: every
               rank is there, the transfer fails (the others see their peer's connection close; nobody is behind).
 
 The line where the culprit's own call site is expected carries a ``# site: MODE`` comment (read by the tests). The
-faulty rank prints ``fault <epoch seconds>`` just before its fault; every rank prints ``step N`` as a step starts. The
-collective timeout is ``HANG_TIMEOUT`` seconds (default 6).
+faulty rank prints ``fault <epoch seconds>`` just before its fault; every rank prints ``step N`` as a step starts; in
+mode ok, rank 0 prints ``loop <seconds>`` the steps took. The collective timeout is ``HANG_TIMEOUT`` s (default 6).
 """
 
 from __future__ import annotations
@@ -40,10 +41,16 @@ STEPS = int(os.environ.get("STEPS", "5"))
 FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))
 FAULT_STEP = int(os.environ.get("FAULT_STEP", "3"))
 SLOW_S = float(os.environ.get("SLOW_S", "0.6"))
+BUSY_S = float(os.environ.get("BUSY_S", "4"))
+
+
+def say(text: str) -> None:
+    sys.stdout.write(text + "\n")  # one write: the ranks share the launcher's output
+    sys.stdout.flush()
 
 
 def fault() -> None:
-    print(f"fault {time.time():.3f}", flush=True)
+    say(f"fault {time.time():.3f}")
 
 
 def load_batch(rank: int, step: int) -> torch.Tensor:
@@ -57,6 +64,13 @@ def load_batch(rank: int, step: int) -> torch.Tensor:
             fault()
             raise ValueError(f"a bad batch on rank {rank}")  # site: raise
     return torch.full((4,), float(rank + step))
+
+
+def evaluate() -> None:
+    end = time.perf_counter() + BUSY_S
+    x = torch.rand(64, 64)
+    while time.perf_counter() < end:
+        x = (x @ x).tanh()  # site: busy
 
 
 def reduce_grads(t: torch.Tensor) -> None:
@@ -120,10 +134,13 @@ def main() -> None:
     init(int(os.environ["RANK"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     steps = FAULT_STEP - 1 if MODE == "exit0" and rank == FAULT_RANK else STEPS
+    start = time.perf_counter()
     for step in range(1, steps + 1):
-        print(f"step {step}", flush=True)
+        say(f"step {step}")
         t = load_batch(rank, step)
         faulty = rank == FAULT_RANK and step == FAULT_STEP
+        if faulty and MODE == "busy":
+            evaluate()
         if faulty and MODE == "stop":
             fault()
             os.kill(os.getpid(), signal.SIGSTOP)  # site: stop
@@ -142,6 +159,8 @@ def main() -> None:
         if not (faulty and MODE == "skip"):
             sync_params(t)
         end_of_step()
+    if rank == 0 and MODE == "ok":
+        say(f"loop {time.perf_counter() - start:.4f} s")
     if rank == FAULT_RANK and MODE == "exit0":
         fault()
     dist.destroy_process_group()  # site: exit0

@@ -113,6 +113,18 @@ def test_a_failure_that_ends_the_job_is_named_after_it(tmp_path, case):
         assert "no rank is behind" in first["title"]
 
 
+def test_a_rank_that_computes_while_the_others_wait_is_not_taken_for_a_hang(tmp_path):
+    """Rank 1 computes for 6 s (an evaluation) while rank 0 waits in the next collective: past --hang-after 2, but a
+    rank that keeps a CPU busy is working; the job ends well, and the wait is said, as a slow rank."""
+    rc, report, err, left = judge(tmp_path, "busy", "--hang-after", "2", BUSY_S="6")
+    assert rc == 0 and left == [], err[-3000:]
+    assert "torchdoctor run: while it hung" not in err
+    assert not [f for f in report["findings"] if f["severity"] == "fail"]
+    first = report["findings"][0]
+    assert first["id"] == "comm.slow" and first["data"]["culprit_ranks"] == [1]
+    assert first["data"]["call_site"] == site("busy")
+
+
 def test_a_rank_that_holds_the_others_back_is_named_with_where_its_time_went(tmp_path):
     rc, report, err, left = judge(tmp_path, "slow", "--hang-after", "2", STEPS="4", SLOW_S="0.5")
     first = headline(report, "slow", err)
@@ -126,12 +138,12 @@ SIGNAL_DRIVER = r'''
 import json, os, signal, subprocess, sys, time
 sig, case, *cmd = sys.argv[1:]
 p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-seen = 0
-while seen < int(sys.argv[-3]):  # every rank started step 3: the job hangs there
-    line = p.stdout.readline()
-    if not line:
+seen = b""
+while seen.count(b"step 3") < int(sys.argv[-3]):  # every rank started step 3: the job hangs there
+    chunk = os.read(p.stdout.fileno(), 4096)
+    if not chunk:
         break
-    seen += line.startswith(b"step 3")
+    seen += chunk
 time.sleep(3.0)
 sent = time.time()
 os.kill(p.pid, getattr(signal, sig))

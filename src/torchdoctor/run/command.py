@@ -26,6 +26,15 @@ code change in every Python process the command starts (:mod:`torchdoctor.run.in
 command's environment by :mod:`.switch`); the ``numerics.attached`` finding says what each process watched,
 ``numerics.not-attached`` (info) that nothing was.
 
+A distributed job (a process that calls ``init_process_group``) is watched while it runs (:mod:`.watch`; ``--no-flight``
+turns it off): each rank keeps a status file in the report folder and PyTorch's Flight Recorder is on. When no rank has
+made progress for ``--hang-after`` seconds while one waits in a collective -- or on the first Ctrl-C / SIGTERM while the
+job hangs -- every rank's records and stack are collected, the verdict is printed at once and the job is ended (a
+stopped rank too). The verdict is the report's first finding, ``comm.<class>``: the culprit rank(s), the class
+(``init-mismatch``, ``stopped``, ``killed``, ``exception``, ``exited-early``, ``collective-mismatch``,
+``never-arrived``, ``transport``, ``slow``) and the culprit's own call site; the other ranks' timeouts follow as
+``info``.
+
 How the command runs: in its own process group (SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to torchdoctor are
 forwarded to that whole group, so torchrun and its workers get one Ctrl-C; a third Ctrl-C sends SIGKILL), with
 ``PYTHONUNBUFFERED=1`` unless set (its stdout is a pipe now, and Python would otherwise hold prints back), and

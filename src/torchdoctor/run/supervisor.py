@@ -252,7 +252,7 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         sigs.attach(proc.pid)
         if watch is not None:
             watch.start = start
-            sigs.hold = lambda sig: bool(watch.procs) and watch.trigger is None
+            sigs.hold = lambda sig: watch.worth_holding(time.monotonic())
         analysis = Analysis()
         mem = Memory(proc.pid, start)
         mem.sample(start)
@@ -349,7 +349,7 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
 def _watch_step(watch: Any, now: float, sigs: Signals, root: int, on_verdict: Any) -> None:
     """One look at the job's ranks; on a hang or a held signal: the verdict, then the end of the job."""
     try:
-        action = watch.step(now, sigs.held, None)
+        action = watch.step(now, sigs.held)
         if action == "judge":
             if on_verdict is not None:
                 on_verdict(watch)

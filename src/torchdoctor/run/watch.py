@@ -5,12 +5,13 @@ counters and where its main thread is, how it ended). Every :data:`POLL_S` secon
 each rank's ``/proc/<pid>/stat`` (on this host): running, stopped (``T``), traced (``t``: a debugger), a zombie or gone.
 
 A hang: every rank still running has made no progress -- no collective entered or completed, ``init_process_group`` not
-returned -- for the threshold (``--hang-after``; by default a quarter of the job's collective timeout, at most 120 s),
-and at least one of them waits in a collective or in ``init_process_group``. Then, and on the first Ctrl-C or SIGTERM
-``run`` gets, it asks every rank for its Flight Recorder dump (a request file each rank's heartbeat thread answers, also
-while its main thread is blocked in a collective), reads NCCL's RAS where ``ncclras`` is installed, prints the verdict
-at once, and ends the job: SIGTERM to its process group and to each rank (a stopped rank is continued so it can take it,
-and writes where it was), SIGKILL to whatever is left :data:`GRACE_S` seconds later.
+returned, no CPU used outside collectives (a rank computing is working) -- for the threshold (``--hang-after``; by
+default a quarter of the job's collective timeout, at most 120 s), and at least one of them waits in a collective or in
+``init_process_group``. Then, and on the first Ctrl-C or SIGTERM ``run`` gets, it asks every rank for its Flight
+Recorder dump (a request file each rank's heartbeat thread answers, also while its main thread is blocked in a
+collective), reads NCCL's RAS where ``ncclras`` is installed, prints the verdict at once, and ends the job: SIGTERM to
+its process group and to each rank (a stopped rank is continued so it can take it, and writes where it was), SIGKILL to
+whatever is left :data:`GRACE_S` seconds later.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from typing import Any
 from .inside import status
 
 POLL_S = 0.25
+CPU_EVERY_S = 1.0  # how often a rank's CPU time (its process tree's) is read
+BUSY_SHARE = 0.1  # a rank outside collectives that used this share of a CPU since the last read is working
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 GRACE_S = 5.0  # from SIGTERM to SIGKILL when run ends the job
 ANSWER_S = 3.0  # how long the ranks have to answer a dump request
 SETTLED_S = 2.0  # on Ctrl-C: no rank moved for this long, so where they stand is where they part
@@ -50,6 +54,7 @@ class Proc:
     gone_at: float | None = None  # (epoch) first seen gone or a zombie
     exit_code: int | None = None  # a zombie's, from /proc/<pid>/stat
     local: bool = True
+    cpu: float | None = None  # CPU seconds of its process tree (itself and its children: DataLoader workers)
     seen: tuple[str, str] | None = None  # (state, letter) when the verdict was made, before run ended the job
 
     @property
@@ -76,6 +81,17 @@ class Proc:
         return bool((self.doc.get("beat") or {}).get("in_collective"))
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of ``pid`` so far, in seconds; 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode("ascii", "replace")
+        fields = raw[raw.rindex(")") + 2:].split()
+        return (int(fields[11]) + int(fields[12])) / _TICKS
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def read_stat(pid: int) -> tuple[str, int | None] | None:
     """(state letter, exit code of a zombie) of ``pid``, or None when it is gone."""
     try:
@@ -100,6 +116,7 @@ class Watch:
         self.start = start
         self.procs: dict[tuple[str, int], Proc] = {}
         self.next_poll = 0.0
+        self.next_cpu = 0.0
         self.host = status.host()
         self.trigger: str | None = None  # why the job is being judged while it runs
         self.trigger_epoch: float | None = None
@@ -146,6 +163,31 @@ class Watch:
             sig = self._progress(p)
             if sig != p.sig:
                 p.sig, p.changed = sig, now
+        if now >= self.next_cpu:
+            self._working(now)
+
+    def _working(self, now: float) -> None:
+        """A rank outside any collective that keeps a CPU busy (itself or its DataLoader workers) is computing, not
+        stuck: it counts as progress (a long evaluation on rank 0 while the others wait is no hang)."""
+        from .process import _ppid_map
+
+        elapsed = now - (self.next_cpu - CPU_EVERY_S) if self.next_cpu else CPU_EVERY_S
+        self.next_cpu = now + CPU_EVERY_S
+        children: dict[int, list[int]] = {}
+        for pid, ppid in _ppid_map().items():  # (one look at /proc for every rank)
+            children.setdefault(ppid, []).append(pid)
+        for p in self.procs.values():
+            if not p.local or p.state != "running":
+                continue
+            tree, todo = [], [p.pid]
+            while todo:
+                pid = todo.pop()
+                tree.append(pid)
+                todo.extend(children.get(pid, ()))
+            cpu = sum(cpu_seconds(pid) for pid in tree)
+            if p.cpu is not None and not p.in_wait() and cpu - p.cpu >= BUSY_SHARE * max(elapsed, POLL_S):
+                p.changed = now
+            p.cpu = cpu
 
     def _state(self, p: Proc, now: float) -> None:
         if not p.local or p.state == "gone":
@@ -174,6 +216,26 @@ class Watch:
                 tuple(sorted((k, v[0], v[2]) for k, v in (groups or {}).items())), where)
 
     # -- deciding
+    def period(self) -> float:
+        """The ranks' heartbeat period: a change is seen up to this much (and one poll) after it happened."""
+        return max((float((p.doc.get("beat") or {}).get("period") or 0) for p in self.procs.values()), default=1.0)
+
+    def idle(self, now: float) -> float | None:
+        """Seconds since any rank still running last made progress, as far as ``run`` has seen (a lower bound)."""
+        live = [p for p in self.procs.values() if not p.ended]
+        return min((now - p.changed for p in live), default=None)
+
+    def worth_holding(self, now: float) -> bool:
+        """Is a signal ``run`` got worth holding back to collect the ranks' state first? Only where the job may hang:
+        no progress for :data:`SETTLED_S` (allowing for a heartbeat not yet seen), or a rank stopped or gone.
+        A job that is moving gets the signal at once."""
+        if not self.procs or self.trigger is not None:
+            return False
+        if any(p.state in ("stopped", "traced") or p.ended for p in self.procs.values()):
+            return True
+        idle = self.idle(now)
+        return idle is not None and idle + self.period() + POLL_S >= SETTLED_S
+
     def threshold(self) -> float | None:
         if self.hang_after is not None:
             return self.hang_after or None
@@ -204,7 +266,7 @@ class Watch:
         return idle if idle >= limit else None
 
     # -- acting
-    def step(self, now: float, held: list[int], say: Any) -> str | None:
+    def step(self, now: float, held: list[int]) -> str | None:
         """One look; returns ``"judge"`` when the verdict is due now (after the ranks answered), ``"end"`` when the
         job should be ended, else None. ``held``: signals ``run`` got and has not forwarded yet."""
         self.poll(now)
@@ -213,8 +275,7 @@ class Watch:
         if self.trigger is None:
             if held:
                 name = signal.Signals(held[0]).name
-                live = [p for p in self.procs.values() if not p.ended]
-                idle = min((now - p.changed for p in live), default=0.0)
+                idle = self.idle(now) or 0.0
                 self.settled = idle >= SETTLED_S
                 if self.settled:
                     self.notes.append(f"status file: no rank had made progress for {idle:.1f} s")

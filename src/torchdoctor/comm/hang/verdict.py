@@ -101,7 +101,10 @@ def _stack_of(f: RankFacts | None, dumps: Dumps, rank: int) -> tuple[list, str]:
     """The freshest stack known for a rank, with its witness."""
     d = dumps.ranks.get(rank)
     if d is not None and d.stack:
-        return list(d.stack), f"stack ({d.reason or 'its dump'})"
+        why = d.reason or "its dump"
+        why = ("at run's request" if why.startswith("requested by torchdoctor run") else
+               "its exception" if why.startswith("exception") else why.split(" ")[0])
+        return list(d.stack), f"stack ({why})"
     if f is not None and f.end and f.end.get("stack"):
         return frames(f.end["stack"]), "stack (as it ended)"
     if f is not None and f.beat and f.beat.get("stack"):
