@@ -165,3 +165,44 @@ def test_a_stopped_rank_outranks_the_timeouts_it_caused():
     assert v.cls == "stopped" and v.culprits == [1] and v.site == ("/job/train.py", 50, "main")
     assert v.finding().data["witnesses"] == sorted({"Flight Recorder", "process state", "stack (SIGTERM)",
                                                     "torchdoctor run"})
+
+
+def test_an_nccl_job_that_hangs_gets_ncclras_asked_and_its_answer_read(tmp_path, monkeypatch):
+    """run's watch starts NCCL's own client (here a stand-in on PATH printing the format NCCL writes) when a rank
+    uses NCCL, and its answer becomes the job's RAS facts."""
+    import os
+    import subprocess
+    import time
+
+    from torchdoctor.run import flight
+    from torchdoctor.run.inside import status
+    from torchdoctor.run.watch import Watch
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    doc = ras_doc([{"hash": "0x9", "size": 2, "ranks_count": 1, "missing_ranks_count": 1, "ranks": [ras_rank(0, 7)],
+                    "missing_ranks": [{"rank": 1, "host": "node-b", "pid": 77, "cuda_dev": 1, "nvml_dev": 1,
+                                       "status": {"unresponsive": True, "considered_dead": True}}]}])
+    (bin_dir / "doc.json").write_text(doc)
+    tool = bin_dir / "ncclras"
+    tool.write_text(f"#!/bin/sh\n[ \"$1 $2\" = '-f json' ] || exit 3\ncat {bin_dir / 'doc.json'}\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    rank = subprocess.Popen(["sleep", "60"])
+    try:
+        status.write_json(status.path_for(str(tmp_path), rank.pid), {
+            "pid": rank.pid, "rank": 0, "world": 2, "init": {"backend": "nccl", "done": 1.0, "timeout_s": 600},
+            "beat": {"t": time.time(), "period": 1.0, "groups": {"0": [7, 7, 6]}, "in_collective": True}})
+        w = Watch(str(tmp_path), 2.0, time.monotonic() - 10)
+        w.poll(time.monotonic())
+        w._request("a test", time.monotonic())
+        deadline = time.monotonic() + 30
+        while w.step(time.monotonic(), []) != "judge" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        job, _ = flight.job_facts(w, live=True)
+        assert [c.hash for c in job.ras] == ["0x9"], w.notes
+        assert ras.lines(job.ras) == ["NCCL RAS: communicator 0x9 (2 ranks): rank 1 on node-b (pid 77) is considered "
+                                      "dead"]
+    finally:
+        rank.kill()
+        rank.wait()

@@ -128,6 +128,7 @@ class Watch:
         self.kill_at: float | None = None
         self.notes: list[str] = []
         self.ras_text: str | None = None
+        self.ras_proc: Any = None
         self.settled = True
         self.continued: set[tuple[str, int]] | None = None  # stopped ranks continued to take SIGTERM
         self.continued_at = 0.0
@@ -292,6 +293,15 @@ class Watch:
                        and self.procs[k].state == "running"}
             if waiting and now - self.request_at < ANSWER_S:
                 return None
+            if self.ras_proc is not None and self.ras_proc.poll() is None and now - self.request_at < ANSWER_S + 2:
+                return None  # (NCCL's RAS collects from every peer within ANSWER_S)
+            if self.ras_proc is not None:
+                from ..comm.hang import ras
+
+                self.ras_text, why_not = ras.collect(self.ras_proc, 1.0)
+                self.ras_proc = None
+                if why_not:
+                    self.notes.append(f"NCCL RAS: not read ({why_not})")
             if waiting:
                 self.notes.append("status file: " + ", ".join(f"pid {k[1]}" for k in sorted(waiting))
                                   + f" did not answer the dump request within {ANSWER_S:g} s")
@@ -345,7 +355,7 @@ class Watch:
         if any("nccl" in str((p.doc.get("init") or {}).get("backend") or "").lower() for p in self.procs.values()):
             from ..comm.hang import ras
 
-            self.ras_text, why_not = ras.query()
+            self.ras_proc, why_not = ras.start(ANSWER_S)
             if why_not:
                 self.notes.append(f"NCCL RAS: not read ({why_not})")
 

@@ -110,16 +110,27 @@ def suspects(comms: list[Communicator]) -> list[int]:
     return sorted(out)
 
 
-def query(timeout_s: float = 5.0) -> tuple[str | None, str | None]:
-    """(``ncclras -f json`` output, None) from the local NCCL job, or (None, why not)."""
+def start(timeout_s: float = 5.0) -> tuple[subprocess.Popen | None, str | None]:
+    """``ncclras -f json`` started against the local NCCL job (its RAS thread collects from every peer within
+    ``timeout_s``), or (None, why not); :func:`collect` reads its answer."""
     exe = shutil.which("ncclras")
     if exe is None:
         return None, "ncclras is not on PATH"
     try:
-        p = subprocess.run([exe, "-f", "json", "-t", str(max(1, int(timeout_s)))], capture_output=True, text=True,
-                           timeout=timeout_s + 5, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"ncclras did not answer: {e}"
-    if p.returncode != 0:
-        return None, f"ncclras failed: {(p.stderr.strip().splitlines() or ['exit ' + str(p.returncode)])[-1][:200]}"
-    return p.stdout, None
+        return subprocess.Popen([exe, "-f", "json", "-t", str(max(1, int(timeout_s)))], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), None
+    except OSError as e:
+        return None, f"ncclras could not start: {e.strerror or e}"
+
+
+def collect(proc: subprocess.Popen, wait_s: float = 0.0) -> tuple[str | None, str | None]:
+    """(its output, None), or (None, why not); ``proc`` is ended if it has not answered within ``wait_s``."""
+    try:
+        out, err = proc.communicate(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return None, "ncclras did not answer in time"
+    if proc.returncode != 0:
+        return None, f"ncclras failed: {(err.strip().splitlines() or ['exit ' + str(proc.returncode)])[-1][:200]}"
+    return out, None

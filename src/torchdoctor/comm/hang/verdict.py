@@ -344,7 +344,8 @@ def _killed(dumps: Dumps, partings: list, p: Parting | None, job: JobFacts, proc
 
 def _exception(dumps: Dumps, partings: list, p: Parting | None, job: JobFacts, procs: list) -> Verdict | None:
     raised = sorted((f for f in job.ranks.values() if (f.end or {}).get("how") == "exception"
-                     and not comm_consequence(f) and not f.ended_by_run), key=lambda f: f.end_time or 0)
+                     and not comm_consequence(f) and not f.ended_by_run and not _interrupted(f.end)),
+                    key=lambda f: f.end_time or 0)
     if not raised:
         for r, d in sorted(dumps.ranks.items()):  # a post-mortem of dumps alone: the reasons they give
             if (d.reason or "").startswith("exception") and not _COMM_FAILURE.search(d.reason or ""):
@@ -364,6 +365,11 @@ def _exception(dumps: Dumps, partings: list, p: Parting | None, job: JobFacts, p
     return Verdict("exception", [first.rank], site, title, ev,
                    ["fix the exception on that rank (its traceback is in the output above); the other ranks' errors "
                     "follow from it"], {"error": error})
+
+
+def _interrupted(end: dict) -> bool:
+    """A Ctrl-C the launcher passed on (KeyboardInterrupt) ends a rank; it is no fault of the rank's code."""
+    return str(end.get("error") or "").startswith("KeyboardInterrupt")
 
 
 def _exited_early(dumps: Dumps, partings: list, p: Parting | None, job: JobFacts, procs: list) -> Verdict | None:
