@@ -3,10 +3,11 @@
 Before the command starts (:func:`environment`): the recorder's buffer (``TORCH_FR_BUFFER_SIZE=2000`` entries per
 process group), NCCL's own dump on a watchdog timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT=1``) into the run's report folder
 (``TORCH_FR_DUMP_TEMP_FILE=<report dir>/nccl_trace_rank_``), and the start-up hook (:mod:`torchdoctor.run.inside.
-flight`) that makes each rank of a distributed job write its dump and stack as it ends badly. A variable the user
-set is never overridden (their dump prefix is where the dumps are then read from); a job that never calls
-``init_process_group`` is not touched. After the command (:func:`findings`): every dump found, read into the
-``comm.hang`` / ``comm.collective-mismatch`` findings (:mod:`torchdoctor.comm.hang`).
+flight`) that makes each rank of a distributed job keep a status file and write its dump and stack as it ends badly.
+A variable the user set is never overridden (their dump prefix is where the dumps are then read from); a job that
+never calls ``init_process_group`` is not touched. While the job hangs (:mod:`.watch`) and after it
+(:func:`findings`): the dumps and what was seen of each rank (:func:`job_facts`: process state, status file, the
+launcher's and the kernel's log) make the verdict, ``comm.<class>`` (:mod:`torchdoctor.comm.hang.verdict`).
 """
 
 from __future__ import annotations
