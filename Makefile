@@ -1,14 +1,15 @@
 # Two entry points, each sets itself up into .venv on a fresh machine:
 #   make demo   -- the numerics demo (fp16 overflow found, explained and fixed), CPU only
 #   make test   -- installs everything (torch pinned to the local CPU wheel) and runs lint + tests (the tests that
-#                  read the machine twice: as they find it, and with its kernel log and cgroups hidden)
+#                  read the machine twice: as they find it, and with its kernel log and cgroups hidden); as root with
+#                  apt-get (CI) it also installs Chromium, which the `numerics show` page test opens (else it skips)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # torch is pinned for the test environment only; users may run any torch >= 2.4.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test lint bench bench-comm clean
+.PHONY: demo test lint browser bench bench-comm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,9 +29,21 @@ demo: $(VENV)/.runtime
 lint: $(VENV)/.test
 	$(BIN)/ruff check src tests benchmarks
 
+# The page `numerics show` writes is opened in headless Chromium by its test: installed here where this runs as root
+# with apt-get (as CI does); anywhere else, or when apt-get cannot install it, that test skips and says why.
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing chromium (apt-get) for the numerics page test"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 \
+	  || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
+	       >/dev/null 2>&1; } \
+	  || echo "chromium could not be installed: the numerics page test will skip"; \
+	fi
+
 # The tests that read the machine (marker `machine`: kernel log, cgroups, memory) run a second time as on a
 # machine that lets a process read neither the kernel log nor its cgroup files, so both branches run everywhere.
-test: lint
+test: lint browser
 	$(BIN)/pytest -q
 	TORCHDOCTOR_UNREADABLE=kernel-log,cgroup $(BIN)/pytest -q -m machine
 

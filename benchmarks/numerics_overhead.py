@@ -9,8 +9,10 @@ Run from the repository root (see benchmarks/README.md)::
 What is measured, all in ONE process:
 
 * Time. Variants: the bare step; the step with ``NumericsMonitor(grads="none"|"params"|"modules")`` at the
-  default ``watch="boundaries"``, and at ``grads="params", watch="every-module"`` (the default before issue 21);
-  the step with ``transformers.debug_utils.DebugUnderflowOverflow``. Every variant trains its own
+  default ``watch="boundaries"``, and at ``grads="params"|"modules", watch="every-module"`` (the default before
+  issue 21); the step recording every step (``record=DIR``: every module watched, module-level gradients, each
+  output's and output gradient's (abs min, abs max) kept on the device and written every 50 steps); the step with
+  ``transformers.debug_utils.DebugUnderflowOverflow``. Every variant trains its own
   ``copy.deepcopy`` of one seeded model (copied before anything is attached) with its own AdamW, on the
   same batches. After a warm-up, each repetition runs ``--steps`` steps of every variant, round-robin, and
   the starting variant rotates from one repetition to the next, so machine noise (other processes on a
@@ -20,6 +22,7 @@ What is measured, all in ONE process:
   host syncs (``aten._local_scalar_dense`` + ``aten.is_nonzero``) and every dispatched ATen op, per step, minus
   the bare step's (AdamW's CPU single-tensor path already calls ``.item()`` once per parameter). The ops are
   those of the CPU's own path; ``benchmarks/numerics_dispatch.py`` also counts what an accelerator dispatches.
+* The recording's size on disk (bytes per module per recorded step, from the files it wrote).
 * Memory, see :func:`measure_memory`: peak bytes held by torch's CPU allocator during one step, per
   variant, at two batch sizes, so one can see whether a variant's extra memory grows with the batch.
 
@@ -34,8 +37,10 @@ import gc
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import tracemalloc
 from dataclasses import dataclass, field
@@ -51,20 +56,25 @@ from torchdoctor import NumericsMonitor
 from torchdoctor.syncs import OpCounter
 
 BARE, HF, LIVE = "bare", "transformers", "params, every module"
+LIVE_MODULES, RECORD = "modules, every module", "record every step"
 LEVELS = ("none", "params", "modules")
-VARIANTS = (BARE, *LEVELS, LIVE, HF)
+VARIANTS = (BARE, *LEVELS, LIVE, LIVE_MODULES, RECORD, HF)
 LABELS = {
     BARE: "bare training step",
     "none": 'NumericsMonitor grads="none"',
     "params": 'NumericsMonitor grads="params" (the default)',
     "modules": 'NumericsMonitor grads="modules"',
     LIVE: 'NumericsMonitor watch="every-module"',
+    LIVE_MODULES: 'watch="every-module", grads="modules"',
+    RECORD: "NumericsMonitor(record=DIR) every step",
     HF: "transformers DebugUnderflowOverflow",
 }
 # Targets from the issues (2 CPU cores): issue 21's for the default level
 TARGET_RATIO = {"params": 1.02, "modules": 1.25}
 TARGET_PCT_OF_HF = {"params": 20.0}
 TARGET_EXTRA_SYNCS = 1.0
+# issue 34: recording every step within 2 % of the same watching without recording
+TARGET_RECORD_VS = {LIVE: 1.02, LIVE_MODULES: 1.02}
 MiB = 2**20
 
 
@@ -134,8 +144,11 @@ class Runner:
     opt: torch.optim.Optimizer
     detector: Any = None
     times: list[float] = field(default_factory=list)
+    record_dir: str | None = None
+    steps_run: int = 0
 
     def step(self, batch: dict[str, torch.Tensor]) -> None:
+        self.steps_run += 1
         loss = self.model(**batch).loss
         loss.backward()
         self.opt.step()
@@ -144,6 +157,15 @@ class Runner:
     def close(self) -> None:
         if isinstance(self.detector, NumericsMonitor):
             self.detector.close()
+            record = getattr(self, "record_dir", None)
+            if record is not None:
+                self.record_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(record)
+                                        for f in fs if f.endswith(".npy"))
+                self.record_steps = self.steps_run  # (every step is recorded)
+                keys = self.detector._steps.timeline.writer.keys
+                self.record_keys = len(keys)
+                self.record_outputs = len({(k[0], k[3].removeprefix("grad_")) for k in keys})
+                shutil.rmtree(record, ignore_errors=True)
         elif isinstance(self.detector, DebugUnderflowOverflow):
             # it has no remove(): clear the hooks it put on this (private) copy
             for m in self.model.modules():
@@ -162,6 +184,12 @@ def make_runner(name: str, base: torch.nn.Module) -> Runner:
             detector = NumericsMonitor(model, optimizer=opt, grads="params", watch="every-module")
         except TypeError:  # a tree from before issue 21: every module is what it watches
             detector = NumericsMonitor(model, optimizer=opt, grads="params")
+    elif name == LIVE_MODULES:
+        detector = NumericsMonitor(model, optimizer=opt, grads="modules", watch="every-module")
+    elif name == RECORD:
+        record = tempfile.mkdtemp(prefix="td-record-")
+        detector = NumericsMonitor(model, optimizer=opt, record=record)
+        return Runner(name, model, opt, detector, record_dir=record)
     elif name == HF:
         detector = DebugUnderflowOverflow(model)
     return Runner(name, model, opt, detector)
@@ -315,6 +343,17 @@ def summarize(runners: list[Runner], syncs: dict, memory: dict, mem_batches: lis
             "memory": {str(b): memory[b][r.name] for b in mem_batches},
         }
     # a repetition is "disturbed" when some variant took more than 1.5x its own median there
+    rec = next(r for r in runners if r.name == RECORD)
+    if getattr(rec, "record_bytes", None) is not None:
+        out["_record"] = {"bytes": rec.record_bytes, "steps": rec.record_steps, "keys": rec.record_keys,
+                          "module_outputs": rec.record_outputs,
+                          "bytes_per_key_step": rec.record_bytes / (rec.record_keys * rec.record_steps),
+                          "bytes_per_module_output_step": rec.record_bytes / (rec.record_outputs * rec.record_steps)}
+    for name in TARGET_RECORD_VS:  # recording vs the same watching without it, repetition by repetition
+        other = next(r for r in runners if r.name == name)
+        ratios = [a / b for a, b in zip(rec.times, other.times)]
+        out[RECORD][f"ratio_vs_{name}"] = statistics.median(ratios)
+        out[RECORD][f"ratio_of_min_vs_{name}"] = min(rec.times) / min(other.times)
     disturbed = sum(any(r.times[i] > 1.5 * statistics.median(r.times) for r in runners) for i in range(len(bare.times)))
     out["_noise"] = {"disturbed_reps": disturbed, "reps": len(bare.times)}
     hf_extra = out[HF]["ratio_median"] - 1.0
@@ -342,6 +381,9 @@ def check_targets(res: dict[str, Any], mem_batches: list[int]) -> list[tuple[str
         checks.append(
             (f'grads="{name}" extra host syncs per step <= {TARGET_EXTRA_SYNCS:g}: {s:g}', s <= TARGET_EXTRA_SYNCS)
         )
+    for name, limit in TARGET_RECORD_VS.items():
+        r = res[RECORD][f"ratio_vs_{name}"]
+        checks.append((f"recording every step <= {limit:.2f}x {LABELS[name]} without it: {r:.3f}x", r <= limit))
     if len(mem_batches) >= 2:
         lo, hi = str(mem_batches[0]), str(mem_batches[-1])
         for name in LEVELS:
@@ -404,6 +446,15 @@ def print_report(facts: dict, cfg: dict, res: dict, mem_batches: list[int], chec
             f"{r['ratio_p25']:>6.3f}-{r['ratio_p75']:<6.3f} {r['ratio_of_min']:>6.3f}x {pct:>13} "
             f"{r['syncs_per_step']:>10g} {extra:>6} {ops:>10}"
         )
+    p("")
+    for name in TARGET_RECORD_VS:
+        p(f"recording every step vs {LABELS[name]} (same repetition): {res[RECORD][f'ratio_vs_{name}']:.3f}x median, "
+          f"{res[RECORD][f'ratio_of_min_vs_{name}']:.3f}x best vs best")
+    if "_record" in res:
+        rec = res["_record"]
+        p(f"recording size: {rec['bytes']} bytes of .npy for {rec['steps']} steps x {rec['keys']} keys "
+          f"({rec['module_outputs']} module outputs): {rec['bytes_per_key_step']:.2f} bytes per key per step, "
+          f"{rec['bytes_per_module_output_step']:.2f} per module output (forward + its gradient) per step")
     p("")
     p(
         "peak memory of one step (torch CPU allocator, MiB above what lived before the step; "

@@ -18,6 +18,7 @@ HERE = Path(__file__).parent
 SRC = str(HERE.parent / "src")
 DS = HERE / "fixtures" / "ds_check"
 LOGS = HERE / "fixtures" / "logs"
+TIMELINE = HERE / "fixtures" / "timeline" / "run"  # a 4-step recording whose fc2 goes inf at step 3
 
 # command -> (arguments, exit codes it may end with on this machine). Every command with a --json flag is here;
 # test_every_subcommand_is_covered holds the list to cli.COMMANDS.
@@ -34,6 +35,8 @@ CASES = {
     "logs, two files": (["logs", "--json", str(LOGS / "clean_run.log"), str(LOGS / "nccl_timeout.log")], {1}),
     "run": (["run", "--json", "-", "--", sys.executable, "-c", "pass"], {0}),
     "precision": (["precision", "torchdoctor.demo.model:precision_case", "--json"], {1}),  # the demo's overflow
+    "numerics show": (["numerics", "show", str(TIMELINE), "-o", "page.html", "--json"], {1}),
+    "numerics diff": (["numerics", "diff", str(TIMELINE), str(TIMELINE), "--json"], {0}),
 }
 
 
@@ -59,9 +62,10 @@ def test_json_output_is_strict_and_has_findings(case, tmp_path):
 
 
 def test_every_subcommand_is_covered():
-    covered = {" ".join(a for a in argv[:2] if not a.startswith("-")) if argv[0] == "ds" else argv[0]
+    covered = {" ".join(a for a in argv[:2] if not a.startswith("-")) if argv[0] in ("ds", "numerics") else argv[0]
                for argv, _ in CASES.values()}
-    assert covered == {n for n in cli.COMMANDS if n != "ds"} | {f"ds {n}" for n in SUBCOMMANDS}
+    assert covered == {n for n in cli.COMMANDS if n not in ("ds", "numerics")} | {f"ds {n}" for n in SUBCOMMANDS} | {
+        "numerics show", "numerics diff"}
 
 
 def test_demo_json_findings_say_what_happened(tmp_path):

@@ -51,6 +51,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "torchdoctor.precision.precision_run",
         "before training: will the model overflow in fp16 (or bf16), where, the loss scale, the fp32 fix, verified",
     ),
+    "numerics": (
+        "torchdoctor.timeline_run",
+        "numerics recordings: `numerics show` draws one as an HTML page, `numerics diff` finds where two runs part",
+    ),
     "run": (
         "torchdoctor.run.command",
         "run a training command, pass its output through, and explain how it ended (SIGKILL: peak RAM, OOM)",

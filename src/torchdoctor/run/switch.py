@@ -1,11 +1,11 @@
 """``torchdoctor run --numerics``: the numerics monitor in every Python process of the command, no code change.
 
 The options (``--watch``, ``--grads``, ``--transient``, ``--headroom[-every]``, ``--trace-steps``,
-``--abort-after-step``; any of them turns ``--numerics`` on) go to the command's environment with the bootstrap
-(:mod:`torchdoctor.run.inside`), which each Python process loads at start-up and which attaches the monitor to what
-that process trains. After the run, what was attached is read back from the markers each process left in the report
-folder: a run where no Python process loaded the bootstrap (the command runs no Python, or resets ``PYTHONPATH``),
-or where one did but found nothing to watch, gets a note.
+``--abort-after-step``, ``--record[-every]``; any of them turns ``--numerics`` on) go to the command's environment with
+the bootstrap (:mod:`torchdoctor.run.inside`), which each Python process loads at start-up and which attaches the
+monitor to what that process trains. After the run, what was attached is read back from the markers each process left
+in the report folder: a run where no Python process loaded the bootstrap (the command runs no Python, or resets
+``PYTHONPATH``), or where one did but found nothing to watch, gets a note.
 """
 
 from __future__ import annotations
@@ -50,6 +50,20 @@ def _every(text: str) -> int:
     return n
 
 
+def record_dir(text: str) -> str:
+    """``--record DIR``: a folder (made if missing) -- refused before the command starts when it cannot be one."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a folder, got an empty path")
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+    parent = os.path.dirname(os.path.abspath(text))
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.access(text if os.path.isdir(text) else parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {text if os.path.isdir(text) else parent}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "numerics (no code change)",
@@ -76,18 +90,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="print every frame of these steps (from 0), e.g. 1,3")
     group.add_argument("--abort-after-step", metavar="N", type=step_number, default=None,
                        help="stop the run once step N (from 0) has finished")
+    group.add_argument("--record", metavar="DIR", type=record_dir, default=None,
+                       help="record the run's numerics timeline into DIR/rank<r>/: each recorded step is watched "
+                            "every module, and each module's output and the gradient at it (abs min, abs max) kept on "
+                            "the device and written every 50 recorded steps (16 bytes per module per step); read it "
+                            "with `torchdoctor numerics show DIR` or compare two with `numerics diff`")
+    group.add_argument("--record-every", metavar="N", type=_every, default=None,
+                       help="record every N-th step (default 1; the steps between cost the default level); without "
+                            "--record, into the run's report folder, recording/")
 
 
 def options(args: argparse.Namespace, report_dir: str) -> dict[str, Any] | None:
     """The monitor's options for the command's processes, or None without ``--numerics`` (or an option of it)."""
     given = {name: getattr(args, name, None)
              for name in ("watch", "transient", "grads", "headroom", "headroom_every", "trace_steps",
-                          "abort_after_step")}
+                          "abort_after_step", "record", "record_every")}
     if not getattr(args, "numerics", False) and all(v is None for v in given.values()):
         return None
     out = {k: v for k, v in given.items() if v is not None}
     if "headroom_every" in out:
         out["headroom"] = True
+    if "record_every" in out and "record" not in out:
+        out["record"] = os.path.join(report_dir, "recording")
+    if "record" in out:
+        out["record"] = os.path.abspath(out["record"])  # (the command's processes may change directory)
     out["report_dir"] = os.path.abspath(report_dir)
     return out
 

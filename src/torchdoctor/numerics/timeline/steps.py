@@ -33,4 +33,7 @@ class Timeline:
     def close(self, report: NonFiniteReport | None = None) -> None:
         if not self.closed:
             self.closed = True
-            self.writer.close(report.to_json() if report is not None else None)
+            if report is None:
+                self.writer.close()
+            else:  # (report.json again, as the error wrote it, and the text the monitor printed)
+                self.writer.close(report.to_json(), report.text())

@@ -9,18 +9,30 @@ Layout of ``RUN_DIR/rank<r>/`` (``rank0`` for a single process)::
     values-00000.npy      float32 (n, k, 2): per step and key, (abs min, abs max); -1 where that key was not
                           recorded in that step (statistics are absolute values, so -1 is never one); nan / inf
                           as they were
-    report.json           the non-finite report (NonFiniteReport.to_json), when the run stopped on one
+    report.json           the non-finite report (NonFiniteReport.to_json), when the run stopped on one (or the monitor
+                          closed holding one); report.txt: the same report as the monitor printed it
 
 Why ``.npy``: an open, documented format (a magic string, a small header dict, the raw little-endian array) that
 numpy, Julia, Rust and a few lines of Python read, written here without numpy (which the install does not bring);
 no new dependency (Parquet would need pyarrow). Size: 8 bytes per key and recorded step, plus 8 per step --
 500 modules (1,000 keys, forward and backward) x 10,000 steps is 80 MB; ``record_every=N`` divides it by N.
-A chunk is written whole to a temporary name and renamed, so a reader never sees half of one.
+A chunk is written whole to a temporary name and renamed, so a reader never sees half of one. A module called
+several times in one step (a dropout module reused, micro-batches) is one key: its (smallest abs min, largest abs
+max) over the calls. Reading it with numpy::
+
+    import json, numpy as np
+    keys = json.load(open("run/rank0/keys.json"))
+    steps = np.concatenate([np.load(f"run/rank0/steps-{i:05d}.npy") for i in range(n)])
+    values = [np.load(f"run/rank0/values-{i:05d}.npy") for i in range(n)]  # pad earlier chunks' keys with -1
+
+:func:`read_run` does the same with torch (:func:`load_run` also refuses, in one line, a folder that is not a
+recording).
 """
 
 from __future__ import annotations
 
 import ast
+import ctypes
 import json
 import os
 import struct
@@ -37,16 +49,23 @@ _DESCR = {torch.float32: "<f4", torch.int64: "<i8"}
 _DTYPES = {v: k for k, v in _DESCR.items()}
 
 
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a CPU tensor, in C order, without numpy. (``bytes(t.untyped_storage())`` walks the storage one
+    byte at a time in Python: 2 s for a 400 KB chunk; this is one copy.)"""
+    t = t.detach().cpu().contiguous()
+    n = t.numel() * t.element_size()
+    return ctypes.string_at(t.data_ptr(), n) if n else b""
+
+
 def write_npy(path: str, t: torch.Tensor) -> None:
     """``t`` (float32 or int64, on the CPU) as a ``.npy`` file (format 1.0), written atomically."""
-    t = t.contiguous().clone()  # (its own storage: the bytes written are the tensor's, and only its)
     header = f"{{'descr': '{_DESCR[t.dtype]}', 'fortran_order': False, 'shape': {tuple(t.shape)}, }}"
     pad = 64 - (len(_MAGIC) + 4 + len(header) + 1) % 64
     header = (header + " " * pad + "\n").encode("latin1")
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
         f.write(_MAGIC + b"\x01\x00" + struct.pack("<H", len(header)) + header)
-        f.write(bytes(t.untyped_storage())[: t.numel() * t.element_size()])
+        f.write(tensor_bytes(t))
     os.replace(tmp, path)
 
 
@@ -74,12 +93,18 @@ class TimelineWriter:
     ``flush_every`` steps with one host read."""
 
     def __init__(self, run_dir: str, rank: int | None, settings: dict[str, Any], flush_every: int = 50) -> None:
-        self.dir = os.path.join(os.fspath(run_dir), f"rank{rank or 0}")
+        if rank is None:  # (no process group: a launcher's RANK keeps two processes out of each other's folder)
+            rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
+        self.dir = os.path.join(os.fspath(run_dir), f"rank{rank}")
         os.makedirs(self.dir, exist_ok=True)
         self.flush_every = flush_every
         self.keys: list[Key] = []
         self._column: dict[Key, int] = {}
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, columns, values) on the device
+        # the last step's keys and their columns (on the values' device): a step calling the same modules as the
+        # one before -- nearly every step -- reuses them, no per-key work and no host-to-device copy
+        self._last: tuple[list[Key], list[int], torch.Tensor] | None = None
+        self._keys_written = 0
         self._chunk = len([n for n in os.listdir(self.dir) if n.startswith("values-")])
         self.settings = {"format": FORMAT, **settings}
         self._write_json("settings.json", self.settings)
@@ -93,14 +118,22 @@ class TimelineWriter:
         """One recorded step: its rows' keys and (n, 2) statistics (on their device; nothing is read)."""
         if values is None:
             return
-        columns = []
-        for key in keys:
-            column = self._column.get(key)
-            if column is None:
-                column = self._column[key] = len(self.keys)
-                self.keys.append(key)
-            columns.append(column)
-        self._pending.append((step, torch.tensor(columns, device=values.device), values))
+        last = self._last
+        if last is not None and last[2].device == values.device and keys == last[0]:
+            columns, at = last[1], last[2]
+        else:
+            columns = []
+            for key in keys:
+                column = self._column.get(key)
+                if column is None:
+                    column = self._column[key] = len(self.keys)
+                    self.keys.append(key)
+                columns.append(column)
+            at = torch.tensor(list(dict.fromkeys(columns)), device=values.device)
+            self._last = (list(keys), columns, at)
+        if at.shape[0] < len(columns):  # a module called more than once this step: one row per key
+            values = _combined(columns, values)
+        self._pending.append((step, at, values))
         if len(self._pending) >= self.flush_every:
             self.flush()
 
@@ -111,20 +144,33 @@ class TimelineWriter:
         pending, self._pending = self._pending, []
         device = pending[0][2].device
         table = torch.full((len(pending), len(self.keys), 2), -1.0, dtype=torch.float32, device=device)
-        for i, (_, columns, values) in enumerate(pending):
-            table[i].index_copy_(0, columns.to(device), values.to(device))
+        i = 0
+        while i < len(pending):  # steps that share their columns are written by one copy
+            j = i + 1
+            while j < len(pending) and pending[j][1] is pending[i][1]:
+                j += 1
+            values = torch.stack([v.to(device) for _, _, v in pending[i:j]])
+            table[i:j].index_copy_(1, pending[i][1].to(device), values)
+            i = j
         table = table.cpu()  # THE read of a flush
         steps = torch.tensor([s for s, _, _ in pending], dtype=torch.int64)
         name = f"{self._chunk:05d}"
         self._chunk += 1
-        self._write_json("keys.json", [list(k) for k in self.keys])  # (first: a chunk never has keys unnamed)
+        if len(self.keys) != self._keys_written:  # (first: a chunk never has keys unnamed)
+            self._write_json("keys.json", [list(k) for k in self.keys])
+            self._keys_written = len(self.keys)
         write_npy(os.path.join(self.dir, f"values-{name}.npy"), table)
         write_npy(os.path.join(self.dir, f"steps-{name}.npy"), steps)
 
-    def close(self, report: dict[str, Any] | None = None) -> None:
+    def close(self, report: dict[str, Any] | None = None, text: str | None = None) -> None:
         self.flush()
         if report is not None:
             self._write_json("report.json", report)
+        if text is not None:
+            path = os.path.join(self.dir, "report.txt")
+            with open(f"{path}.{os.getpid()}.tmp", "w", encoding="utf-8") as f:
+                f.write(text.rstrip("\n") + "\n")
+            os.replace(f"{path}.{os.getpid()}.tmp", path)
 
     def _write_json(self, name: str, data: Any) -> None:
         path = os.path.join(self.dir, name)
@@ -132,6 +178,16 @@ class TimelineWriter:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1)
         os.replace(tmp, path)
+
+
+def _combined(columns: list[int], values: torch.Tensor) -> torch.Tensor:
+    """Rows of one step that share a column folded into one, in the order of the columns' first rows: the smallest
+    abs min, the largest abs max (nan propagates, as in the statistics themselves). Device ops only."""
+    where = {c: i for i, c in enumerate(dict.fromkeys(columns))}
+    at = torch.tensor([where[c] for c in columns], device=values.device)
+    lo = values.new_zeros(len(where)).scatter_reduce_(0, at, values[:, 0], "amin", include_self=False)
+    hi = values.new_zeros(len(where)).scatter_reduce_(0, at, values[:, 1], "amax", include_self=False)
+    return torch.stack([lo, hi], dim=1)
 
 
 @dataclass
@@ -146,6 +202,7 @@ class RankTimeline:
     values: torch.Tensor  # float32 (n, k, 2)
     report: dict[str, Any] | None = None
     problems: list[str] = field(default_factory=list)
+    report_text: str | None = None  # report.txt: the report as the monitor printed it
 
 
 def read_rank(folder: str) -> RankTimeline:
@@ -176,11 +233,15 @@ def read_rank(folder: str) -> RankTimeline:
     if os.path.exists(report_path):
         with open(report_path, encoding="utf-8") as f:
             report = json.load(f)
+    text = None
+    if os.path.exists(os.path.join(folder, "report.txt")):
+        with open(os.path.join(folder, "report.txt"), encoding="utf-8", errors="replace") as f:
+            text = f.read()
     rank = int(os.path.basename(folder.rstrip(os.sep)).removeprefix("rank") or 0)
     return RankTimeline(rank, settings, keys,
                         torch.cat(steps) if steps else torch.empty(0, dtype=torch.int64),
                         torch.cat(values) if values else torch.empty(0, len(keys), 2),
-                        report, problems)
+                        report, problems, text)
 
 
 def read_run(run_dir: str) -> list[RankTimeline]:
@@ -188,3 +249,38 @@ def read_run(run_dir: str) -> list[RankTimeline]:
     folders = sorted((n for n in os.listdir(run_dir) if n.startswith("rank") and n[4:].isdigit()),
                      key=lambda n: int(n[4:]))
     return [read_rank(os.path.join(run_dir, n)) for n in folders]
+
+
+class NotARecording(ValueError):
+    """A path given as a recording that is not one (said in one line)."""
+
+
+def load_run(path: str) -> list[RankTimeline]:
+    """:func:`read_run`, for a path a user typed: a run folder (``rank<r>/`` inside) or one rank's folder. Anything
+    else -- missing, a file, no ``settings.json``, a newer format, unreadable JSON -- is :class:`NotARecording`
+    with one line that says which."""
+    if not os.path.exists(path):
+        raise NotARecording(f"{path}: no such folder")
+    if not os.path.isdir(path):
+        raise NotARecording(f"{path}: not a folder (a recording is the folder given to --record)")
+    if os.path.exists(os.path.join(path, "settings.json")):
+        folders = [path]
+    else:
+        names = sorted((n for n in os.listdir(path) if n.startswith("rank") and n[4:].isdigit()
+                        and os.path.exists(os.path.join(path, n, "settings.json"))), key=lambda n: int(n[4:]))
+        if not names:
+            raise NotARecording(f"{path}: not a numerics recording (no rank<r>/settings.json inside; record one "
+                                "with run --numerics --record DIR or NumericsMonitor(record=DIR))")
+        folders = [os.path.join(path, n) for n in names]
+    ranks = []
+    for folder in folders:
+        try:
+            r = read_rank(folder)
+        except (OSError, ValueError) as e:  # (json.JSONDecodeError is a ValueError)
+            raise NotARecording(f"{folder}: unreadable recording ({e})") from None
+        if not isinstance(r.settings, dict) or r.settings.get("format") not in range(1, FORMAT + 1):
+            got = r.settings.get("format") if isinstance(r.settings, dict) else None
+            raise NotARecording(f"{folder}: recording format {got!r}, this torchdoctor reads 1 to {FORMAT} "
+                                "(written by a newer torchdoctor?)")
+        ranks.append(r)
+    return ranks

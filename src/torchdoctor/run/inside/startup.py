@@ -22,7 +22,7 @@ from . import markers, trainers
 from .imports import when_imported
 
 OPTION_NAMES = ("watch", "transient", "grads", "headroom", "headroom_every", "trace_steps", "abort_after_step",
-                "report_dir")
+                "report_dir", "record", "record_every")
 
 
 def _line(text: str) -> None:
