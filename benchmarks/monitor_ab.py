@@ -10,14 +10,15 @@ machines these numbers come from are shared and noisy, so two runs at different 
 both monitors live in one process: the revision's ``src/torchdoctor`` is extracted with ``git archive`` into a
 temporary folder as the package ``torchdoctor_base`` (the monitor imports its own modules relatively), and every
 variant -- bare, each monitor at each level -- steps its own copy of the model in interleaved rounds, timed in
-thread CPU time (a busy machine inflates wall time, not this). Reported: the median ratio to the bare step of the
+thread CPU time (a busy machine inflates wall time, not this) with torch on one thread (so that the thread's time is
+all the step's work). Reported: the median ratio to the bare step of the
 same round, per model.
 
 Models: the tiny T5 of ``numerics_dispatch.py`` (d_model 32, 4+4 layers, batch 1, one thread: a launch-bound step
 seen on a CPU), the T5 of ``numerics_overhead.py`` (d_model 256, 4+4 layers, batch 8, AdamW), and a
 nanoGPT-shaped loop (a 4-layer GPT-2 from config, d 64, batch 4 x 32 tokens, fp16 autocast on the CPU,
 ``torch.amp.GradScaler``, AdamW); and (not with ``--quick``) the HF Trainer on that GPT-2 with each tree's
-``NumericsCallback``, ``train()`` of 20 steps timed whole (its first step, watched every module, included).
+``NumericsCallback``, ``train()`` of 40 steps timed whole (its first step, watched every module, included).
 """
 
 from __future__ import annotations
@@ -81,9 +82,9 @@ def models(quick: bool) -> list[Model]:
            "labels": torch.randint(1, 32128, (8, 64), generator=g)}
     ids = torch.randint(0, 256, (4, 32), generator=g)
     out = [Model("tiny T5 (launch-bound)", lambda: t5(32, 64, 4, 2, 16, 128), tiny, False, False, 1),
-           Model("nanoGPT-shaped fp16 + GradScaler", gpt2, {"input_ids": ids, "labels": ids}, True, True, None)]
+           Model("nanoGPT-shaped fp16 + GradScaler", gpt2, {"input_ids": ids, "labels": ids}, True, True, 1)]
     if not quick:
-        out.insert(1, Model("mid T5", lambda: t5(256, 1024, 4, 4, 64, 32128), mid, True, False, None))
+        out.insert(1, Model("mid T5", lambda: t5(256, 1024, 4, 4, 64, 32128), mid, True, False, 1))
     return out
 
 
@@ -155,6 +156,7 @@ def run_trainer(packages: dict[str, str], reps: int, steps: int) -> dict:
     and with each tree's ``NumericsCallback`` (the Trainer is built outside the timing)."""
     import transformers
 
+    torch.set_num_threads(1)  # (thread CPU time: all the step's work on this thread)
     g = torch.Generator().manual_seed(3)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (64, 32), generator=g)]
     variants = {"bare": None, **{f"{label}, default": package for label, package in packages.items()}}
@@ -191,15 +193,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=20, help="interleaved rounds (default 20)")
     ap.add_argument("--steps", type=int, default=5, help="steps per variant per round (default 5)")
     ap.add_argument("--quick", action="store_true", help="the two small models only")
+    ap.add_argument("--only", choices=["tiny", "mid", "gpt2", "trainer"], default=None,
+                    help="one model only (tiny T5, mid T5, the nanoGPT-shaped loop, the HF Trainer)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.join(ROOT, "src"))
     with tempfile.TemporaryDirectory(prefix="torchdoctor-ab-") as tmp:
         packages = {"this tree": "torchdoctor", args.base: base_package(args.base, tmp)}
         load = os.getloadavg()[0]
-        results = {m.name: run_model(m, packages, args.reps, args.steps) for m in models(args.quick)}
-        if not args.quick:
-            results["HF Trainer, tiny GPT-2 (train() of 20 steps)"] = run_trainer(packages, max(3, args.reps // 4), 20)
+        chosen = {"tiny": "tiny T5", "mid": "mid T5", "gpt2": "nanoGPT"}.get(args.only or "", "")
+        results = {m.name: run_model(m, packages, args.reps, args.steps) for m in models(args.quick and not chosen)
+                   if args.only != "trainer" and m.name.startswith(chosen)}
+        if not args.quick and args.only in (None, "trainer"):
+            results["HF Trainer, tiny GPT-2 (train() of 40 steps)"] = run_trainer(packages, max(3, args.reps // 4), 40)
     print(f"healthy-step cost, ratio to the bare step of the same round (median of {args.reps} rounds of "
           f"{args.steps} steps; load average {load:.1f} -> {os.getloadavg()[0]:.1f})")
     for name, rows in results.items():

@@ -3,10 +3,11 @@
 ``python step0_worker.py KIND FAULT OUT_DIR [--api] [--fix]``. KIND: ``scaler`` (an fp16-autocast loop with a
 GradScaler, nanoGPT's recipe), ``plain`` (the same loop without a scaler), ``lightning`` (a LightningModule whose
 ``training_step`` calls its submodules, at ``precision="16-true"``), ``where`` (an fp32 loop with a masked
-normalisation). FAULT: ``overflow`` (a weight scaled so that its fp16 output overflows from step 0),
-``grad-overflow`` (a finite forward whose weight gradient overflows in its fp16 matmul), ``nan-batch``
-(a nan in the first batch), ``invalid`` (``where`` only: a ``torch.where`` whose unselected branch divides 0 by 0,
-so the forward is finite and the backward is nan), ``none`` (the healthy twin). ``--api``: the script attaches
+normalisation), ``where-scaler`` (the same under fp16 autocast with a GradScaler). FAULT: ``overflow`` (a weight
+scaled so that its fp16 output overflows from step 0), ``grad-overflow`` (a finite forward whose weight gradient
+overflows in its fp16 matmul), ``nan-batch`` (a nan in the first batch), ``invalid`` (``where*`` only: a
+``torch.where`` whose unselected branch divides 0 by 0, so the forward is finite and the backward is nan), ``none``
+(the healthy twin). ``--api``: the script attaches
 ``NumericsMonitor`` itself (otherwise it knows nothing of torchdoctor: run it under ``torchdoctor run --numerics``).
 ``--fix FIX``: apply the fix a report proposed: ``keep_fp32:NAME`` (that module in fp32), ``bf16`` (bf16 autocast
 instead of fp16), ``safe-where`` (the where's safe denominator); several, comma-separated.
@@ -97,12 +98,12 @@ def keep(model: nn.Module, fix: str | None) -> None:
 
 
 def plain_loop(kind: str, fault: str, out_dir: str, api: bool, fix: str | None = None) -> dict:
-    where = kind == "where"
+    where = kind.startswith("where")
     model = Masked(fixed="safe-where" in (fix or "").split(",")) if where else Net(fault)
     keep(model, fix)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu") if kind == "scaler" else None
-    fp16 = not where
+    scaler = torch.amp.GradScaler("cpu") if kind in ("scaler", "where-scaler") else None
+    fp16 = kind != "where"
     dtype = torch.bfloat16 if "bf16" in (fix or "").split(",") else torch.float16
     mon = None
     if api:
@@ -186,7 +187,7 @@ def lightning_loop(fault: str, out_dir: str, api: bool, fix: str | None = None) 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=["scaler", "plain", "lightning", "where"])
+    ap.add_argument("kind", choices=["scaler", "plain", "lightning", "where", "where-scaler"])
     ap.add_argument("fault", choices=["overflow", "grad-overflow", "nan-batch", "invalid", "none"])
     ap.add_argument("out_dir")
     ap.add_argument("--api", action="store_true")

@@ -70,10 +70,8 @@ def test_every_zero_stage_is_checked_before_deepspeed_applies_the_step(one_rank,
         first = det["error"]["first"]
         if name.startswith("forward"):
             assert (first["module"], first["phase"], first["slot"], first["value"]) == ("inp", "fwd", "output", "inf")
-        elif name == "backward-params" and stage == "z3":  # watched every module: each gradient checked as its
-            # parameter received it, the first one named
-            assert first["phase"] == "bwd" and first["slot"].startswith("grad:") and first["module"] == "inp"
-        elif name == "backward-params":  # the replay from the gradient at the model's output names the module
+        elif name == "backward-params":  # the replay from the gradient at the model's output names the module (also
+            # under ZeRO-3 on one rank, watched every module at grads="params": a backward fault is replayed there too)
             assert (first["module"], first["cls"], first["slot"]) == ("boom", "Boom", "grad_input")
         else:  # (ZeRO-3 hands every module fresh input tensors, so boom's input is not act's output tensor; it
             # holds its values, which names boom all the same: consumers.consumer_of)

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import step0_worker as W
 from runs import PY, ids, the, torchdoctor_run
@@ -57,6 +58,9 @@ FAULTS = {
     ("plain", "nan-batch"): ("fwd", "block0.0", causes.BAD_INPUT, "not checked"),
     ("scaler", "nan-batch"): ("fwd", "block0.0", causes.BAD_INPUT, "not checked"),
     ("where", "invalid"): ("bwd", "", causes.INVALID_OP, "not checked"),
+    # under fp16 and a GradScaler the nan is not taken for an overflow to skip: fp32 does not cure it, so every step
+    # would be skipped -- it is named at once
+    ("where-scaler", "invalid"): ("bwd", "", causes.INVALID_OP, "not checked"),
     ("lightning", "overflow"): ("fwd", "body.0", None, "fixed"),
     ("lightning", "nan-batch"): ("fwd", "encoder.0", causes.BAD_INPUT, "not checked"),
 }
@@ -89,10 +93,40 @@ def test_a_fault_from_step_0_is_stopped_named_and_its_checked_fix_trains(tmp_pat
 def test_a_nan_only_in_the_backward_is_an_invalid_op_named_with_its_line_not_an_overflow(tmp_path):
     _, report = run_api("where", "invalid", tmp_path)
     assert report.cause == causes.INVALID_OP
-    assert "division" in report.diagnosis and "stayed nan" in report.diagnosis
+    assert "division" in report.diagnosis and "stayed non-finite" in report.diagnosis
     assert "step0_worker.py:" in report.diagnosis and "torch.where(count > 0" in report.diagnosis
     assert "safe denominator" in report.fix and "keep_fp32" not in report.fix and "bf16" not in report.fix
     assert not re.search(r"gradient overflow|GradScaler", report.diagnosis)
+
+
+def test_adam_on_fp16_weights_is_named_by_its_eps(tmp_path):
+    """Lightning's 16-true with the default AdamW eps (1e-8 is 0 in fp16): the first update makes a weight nan from
+    finite gradients -- said as the optimizer's own arithmetic, seen on it, not "check the checkpoint"."""
+    import lightning as L
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = W.Net("none")
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0])[1]
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    from torchdoctor.integrations.lightning import NumericsCallback
+
+    data = torch.utils.data.TensorDataset(torch.cat(W.batches("none")))
+    trainer = L.Trainer(max_epochs=1, precision="16-true", accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[NumericsCallback(report_dir=tmp_path)])
+    with pytest.raises(NonFiniteError) as e:
+        trainer.fit(Lit(), torch.utils.data.DataLoader(data, batch_size=8))
+    d = e.value.details
+    assert d.cause == causes.BAD_WEIGHT and d.step == 1
+    assert "AdamW's eps=1e-08 is 0 in float16" in d.diagnosis and "checkpoint" not in d.fix
+    assert "16-mixed" in d.fix and "eps=1e-4" in d.fix
 
 
 def test_a_weight_gradient_overflow_is_not_blamed_on_the_loss(tmp_path):

@@ -12,7 +12,7 @@ def fp16_collapse_fix(deepspeed: bool, keep: str | None = None) -> str:
     a run whose scale collapsed. ``keep`` names the module to keep in fp32 when one is known.
     """
     keep_fp32 = (f"torchdoctor.keep_fp32(model, {keep!r})" if keep is not None else
-                 "torchdoctor.keep_fp32(model, '<module>'), the module the report's frames show overflowing")
+                 "torchdoctor.keep_fp32 on the module the report's frames show overflowing first")
     if deepspeed:
         return (
             'train in bf16 where the GPU has it (Ampere or newer: A100, H100, RTX 30xx+): "bf16": {"enabled": true} '

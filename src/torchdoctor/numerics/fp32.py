@@ -370,6 +370,18 @@ def _match(root: nn.Module, pattern: str | re.Pattern[str]) -> list[tuple[str, n
         if any(parent == "" or name.startswith(parent + ".") for parent, _ in found):
             continue
         found.append((name, module))
+    if not found and not is_regex and "." in pattern and not any(c in pattern for c in "*?["):
+        # a name from a wrapper's view of the model (a training script's task object holding the model as
+        # ``trainable_module``, as torchdoctor named it): the same modules under the model itself, when exactly one
+        # tail of the name is a name here
+        parts = pattern.split(".")
+        for i in range(1, len(parts)):
+            tail = ".".join(parts[i:])
+            hits = [(n, m) for n, m in named_user_modules(root) if n == tail and _has_own_forward(m)]
+            if len(hits) == 1:
+                warnings.warn(f"keep_fp32: {pattern!r} is not a name in {type(root).__name__}, but {tail!r} is (the "
+                              f"same module seen from inside a wrapper): keeping {tail!r} in fp32", stacklevel=4)
+                return hits
     if not found:
         named = [n for n in names if n]
         close = difflib.get_close_matches(shown, named, n=5, cutoff=0.3)

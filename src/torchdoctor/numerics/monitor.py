@@ -79,6 +79,7 @@ from .engines.scalers import LossScaler, OverflowEvent
 from .explain.report import NonFiniteReport
 from .explain.trace import TraceWriter
 from .judge.check import StepCheck
+from .judge.fixcheck import FixChecker
 from .judge.headroom import Headroom
 from .judge.history import History
 from .judge.judging import Judge
@@ -282,7 +283,8 @@ class NumericsMonitor:
         reporter.watching = watched.describe(grads)  # what it watches, in one line (said fully once attached)
         check = StepCheck(watched.engine, watched.params, sync)
         replayer = Replayer(recorder, watched, history, self.max_frames, self.rank, _hf)
-        judge = Judge(watched, recorder, history, replayer, reporter, check, max_frames=self.max_frames,
+        judge = Judge(watched, recorder, history, replayer, reporter, check, FixChecker(replayer, watched),
+                      max_frames=self.max_frames,
                       rank=self.rank, hf=_hf, transient=transient, auto_localize=auto_localize,
                       min_loss_scale=min_loss_scale, max_consecutive_overflows=max_consecutive_overflows)
         timeline = None

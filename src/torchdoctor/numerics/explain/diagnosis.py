@@ -28,6 +28,7 @@ bf16" only to a run that does not already compute in bf16.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -111,6 +112,9 @@ class Setup:
     forward_seen: bool = True
     autocast: tuple[tuple[str, torch.dtype], ...] | None = None
     scaler: bool = False
+    # the optimizer's own arithmetic cannot work in its parameters' dtype (Adam's eps=1e-8 is 0 in fp16): said as
+    # seen on the optimizer, when it is so
+    optimizer_note: str | None = None
 
     @property
     def autocast_dtypes(self) -> set[torch.dtype]:
@@ -189,9 +193,12 @@ def _data(frames: list[ResolvedFrame], index: int, got: ModelInput, consumer_lin
     if kind == "inf":
         text += (" (An additive attention mask holds -inf where it masks, and a fully masked row makes a softmax "
                  "nan: if this is such a mask, check that no row is masked entirely; any other inf is bad data.)")
-    key = line.label[len("input["):-1] if line.label.startswith("input[") else None
-    keyword = key is not None and not key.split("]")[0].isdigit()
-    tensor, tag = (f"batch[{key!r}]", key) if keyword else ("x", name.replace("positional ", ""))
+    path = [a or b for a, b in re.findall(r"\[([^\]]*)\]|\.(\w+)", line.label[len("input"):])]
+    keyword = bool(path) and not path[0].isdigit()
+    if keyword:  # batch['labels'], batch['batch']['ids']
+        tensor, tag = "batch" + "".join(f"[{p!r}]" for p in path), name
+    else:  # the first positional input, or an item of it: x, x[0]
+        tensor, tag = "x" + "".join(f"[{p}]" for p in path[1:]), name.replace("positional ", "")
     fix = (
         f"find the bad records in the data loader: assert torch.isfinite({tensor}).all() where batches are made "
         "(missing values read as nan, a division by a zero std in normalisation, a corrupt record), or "
@@ -397,6 +404,14 @@ def _bad_weight(frames: list[ResolvedFrame], index: int, line: Line, trail: list
         text = (f"{who(frame.name, frame.cls)} {line.label} is {what} now and its output went {what} in this forward. "
                 f"{when}, so the monitor cannot tell which came first: the weight was already {what} (loaded that way, "
                 f"or an earlier update wrote it), or the optimizer applied a non-finite update after this forward")
+    elif setup.always_before and setup.optimizer_note:
+        checked = "the optimizer stepped" if not setup.manual else "optimizer.step(), at mon.step()"
+        text += (f": no update from non-finite gradients was applied (each step was checked before {checked}), and "
+                 f"{setup.optimizer_note}: the optimizer's own update made it")
+        fix_note = ("keep the weights and the optimizer's state in fp32 and compute in fp16 under autocast (Lightning: "
+                    "precision='16-mixed'), train in bf16 where the device has it (precision='bf16-true'), or give the "
+                    "optimizer an eps fp16 holds (eps=1e-4)")
+        return Diagnosis(causes.BAD_WEIGHT, text + ".", fix=fix_note, evidence=(Evidence.of(frame, line),))
     elif setup.always_before:
         # the gradients of every update were checked before it was applied: a non-finite one was never applied
         checked = "the optimizer stepped" if not setup.manual else "optimizer.step(), at mon.step()"

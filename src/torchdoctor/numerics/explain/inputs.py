@@ -10,6 +10,7 @@ everything the model was given in that call was finite. Each call of the model i
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from ..record.frames import BWD, FWD, Line, ResolvedFrame
@@ -100,13 +101,11 @@ def marked_input(frames: list[ResolvedFrame], index: int, line: Line) -> ModelIn
 
 
 def input_name(label: str) -> str:
-    """``input[labels]`` -> ``labels``; ``input[0]`` -> ``positional input 0``."""
-    inner = label[len("input"):]
-    if inner.startswith("[") and inner.endswith("]"):
-        inner = inner[1:-1]
-    elif inner.startswith("."):
-        inner = inner[1:]
-    head, _, rest = inner.partition("]")
-    if head.isdigit():
-        return f"positional input {inner}" if not rest else f"positional input {head}{rest}"
-    return inner or label
+    """``input[labels]`` -> ``labels``; ``input[0]`` -> ``positional input 0``; ``input[0][1]`` (an item of a
+    tuple given as the first argument: a Lightning batch) -> ``positional input 0[1]``."""
+    parts = re.findall(r"\[([^\]]*)\]|\.(\w+)", label[len("input"):])
+    if not parts:
+        return label
+    segments = [a or b for a, b in parts]
+    head, rest = segments[0], "".join(f"[{x}]" for x in segments[1:])
+    return f"positional input {head}{rest}" if head.isdigit() else f"{head}{rest}"

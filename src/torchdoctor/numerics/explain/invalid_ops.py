@@ -63,12 +63,31 @@ def op_base(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", stem).lower()
 
 
-def repair(name: str) -> tuple[str, str, str]:
-    """(what the op is, why it gives nan, the usual repair) for a backward node or a forward op's name."""
+# why each op makes a nan in the *forward* (where its value, not its derivative, is asked for), where that differs
+_FORWARD_WHY = {
+    "div": "0 is divided by 0 (or inf by inf)",
+    "reciprocal": "its input is nan",
+    "log": "its input is negative (at 0 it is -inf, and a -inf times 0 later is nan)",
+    "log2": "its input is negative",
+    "log10": "its input is negative",
+    "sqrt": "its input is negative",
+    "rsqrt": "its input is negative",
+    "pow": "its base is negative with a fractional exponent",
+    "acos": "its input is beyond +-1",
+    "asin": "its input is beyond +-1",
+}
+
+
+def repair(name: str, phase: str = "backward") -> tuple[str, str, str]:
+    """(what the op is, why it gives nan -- its value in the ``"forward"``, its derivative in the ``"backward"`` --,
+    the usual repair) for a backward node or a forward op's name."""
     base = op_base(name)
     found = _TABLE.get(base) or _TABLE.get(base.rstrip("_"))
     if found is not None:
-        return found
+        what, why, fix = found
+        if phase == "forward":
+            why = _FORWARD_WHY.get(base, why)
+        return what, why, fix
     return (f"the op {base}", "its derivative has no value at the point it was asked for",
             "look at that line's inputs where the mask or the data makes them 0, +-1 or inf, and give that op a safe "
             "input there")

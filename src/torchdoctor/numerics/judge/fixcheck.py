@@ -139,6 +139,29 @@ class FixChecker:
         return _said(report, NOT_FIXED, f"tried on this step: {tried}; none made it finite" + (
             ", and no single op turning finite values into nan could be named" if nan else ""))
 
+    def invalid_behind_overflow(self, report: NonFiniteReport) -> bool:
+        """A loss scaler is about to skip a step whose first bad value is a nan: is it an overflow (finite in fp32:
+        the scaler's business) or an invalid op (nan in fp32 too: the scaler would skip every step, at every scale)?
+        True, with ``report`` rewritten to name the op, for the latter."""
+        if self.replayer.reproduced is None:
+            return False
+        call, backward, _ = self.replayer.reproduced
+        if call.autocast:
+            fp32 = _Try("fp32 (autocast off)", "", autocast=())
+        elif _narrow_weights(self.watched.root):
+            fp32 = _Try("fp32 weights", "", weights=torch.float32)
+        else:
+            fp32 = None  # (already fp32)
+        if fp32 is not None and self._finite(call, backward, fp32):
+            return False
+        found = self._invalid_op(call, backward)
+        if found is None:
+            return False
+        self._invalid(report, found, backward)
+        report.notes.append("A loss scaler was about to skip this step as an overflow: a nan that fp32 does not cure "
+                            "comes back at every scale, so it would have skipped every step.")
+        return True
+
     # ------------------------------------------------------------------ what is tried
     def _tries(self, report: NonFiniteReport, setup: Setup, call: RootCall, frames: list) -> list[_Try]:
         """The region the diagnosis names, then regions around it -- with the module run after it (its output
@@ -202,8 +225,8 @@ class FixChecker:
         failed = _tried(tries[: tries.index(t)])
         how = f"the bad step was run again with {t.label}: every value of its {self.scope} finite"
         if self.scope == "forward":
-            how += (" (its backward was not checked: the gradient the loss sent in came from the broken forward, and "
-                    "the loss is computed outside the model)")
+            how += (" (its backward was not checked: the gradient the step's outputs received was not finite, so there "
+                    "is none to replay it from)")
         if t.regions == (report.fp32_region,):
             return _said(report, FIXED, how)
         region = report.fp32_region
@@ -214,7 +237,8 @@ class FixChecker:
             said.append(f"{failed} did not make this step finite")
         report.fix = t.fix
         report.fp32_region = t.regions[0] if len(t.regions) == 1 else None
-        report.diagnosis += f" (Checked on this step: {'; '.join(said) + '; ' if said else ''}{t.label} did.)"
+        report.diagnosis = (_without_advice(report.diagnosis) + f" Checked on this step: "
+                            f"{'; '.join(said) + '; ' if said else ''}{t.label} did -- the fix below.")
         return _said(report, FIXED, how + (f"; {failed} tried first, not enough" if failed else ""))
 
     # ------------------------------------------------------------------ an invalid operation
@@ -232,7 +256,7 @@ class FixChecker:
         return finder.found
 
     def _invalid(self, report: NonFiniteReport, found: dict[str, Any], backward: bool) -> None:  # noqa: ARG002
-        what, why, fix = repair(found["op"])
+        what, why, fix = repair(found["op"], found["phase"])
         where = found.get("where")
         line = f" at {where['file']}:{where['line']} ({where['code']})" if where else ""
         in_backward = found["phase"] == "backward"
@@ -247,6 +271,22 @@ class FixChecker:
         report.evidence, report.cited = (), []
         _said(report, NOT_CHECKED, "the repair changes the model's code; the step stayed nan in fp32, which rules "
               "every dtype fix out")
+
+
+_ADVICE_SENTENCE = re.compile(r"^(Keep|Extend the fp32 region|Scale the loss)\b")
+_ADVICE_CLAUSE = re.compile(r"(:\s*)(keep|extend the fp32 region|scale the loss)\b[^.]*$")
+
+
+def _without_advice(text: str) -> str:
+    """The diagnosis without the fix its rule wrote in (a region to keep in fp32, bf16, a loss scale): the fix check
+    found another one, and the text must not keep recommending the one that did not hold."""
+    out = []
+    for sentence in re.split(r"(?<=\.)\s+(?=[A-Z(])", text):
+        if _ADVICE_SENTENCE.match(sentence):
+            continue
+        cut = _ADVICE_CLAUSE.search(sentence.rstrip("."))
+        out.append(sentence.rstrip(".")[:cut.start()] + "." if cut else sentence)
+    return " ".join(out)
 
 
 def _tried(tries: list[_Try]) -> str:

@@ -31,6 +31,7 @@ from ..record.frames import BWD, FWD, ResolvedFrame, measure_now
 from ..record.recorder import Recorder
 from ..record.watched import WatchedModel
 from .check import StepCheck
+from .fixcheck import FixChecker
 from .history import History
 from .loss_warning import only_the_loss
 from .replay import NOT_REPRODUCED, REPRODUCED, Replayer
@@ -75,8 +76,11 @@ class Judge:
     """
 
     def __init__(self, watched: WatchedModel, recorder: Recorder, history: History, replayer: Replayer,
-                 reporter: Reporter, check: StepCheck, *, max_frames: int, rank: int | None, hf: bool,
-                 transient: str, auto_localize: bool, min_loss_scale: float, max_consecutive_overflows: int) -> None:
+                 reporter: Reporter, check: StepCheck, fix_checker: FixChecker, *, max_frames: int, rank: int | None,
+                 hf: bool, transient: str, auto_localize: bool, min_loss_scale: float,
+                 max_consecutive_overflows: int) -> None:
+        self.fix_checker = fix_checker
+        self.nan_overflows_cleared = False  # a nan a scaler skipped was finite in fp32: an ordinary overflow
         self.watched = watched
         self.recorder = recorder
         self.history = history
@@ -221,7 +225,13 @@ class Judge:
 
     def _overflow(self, step: int, report: NonFiniteReport) -> Outcome:
         """A step the loss scaler skips: recorded, unless the scale collapsed or too many steps in a row overflowed
-        (then raised)."""
+        (then raised), or its nan is an invalid op that fp32 does not cure (then raised at once: every step would be
+        skipped). The nan is checked until one turns out finite in fp32 (then the scaler's overflows are ordinary)."""
+        nan = report.first is not None and report.first.value == "nan"
+        if nan and not self.nan_overflows_cleared:
+            if self.fix_checker.invalid_behind_overflow(report):
+                return Outcome(RAISE, report)
+            self.nan_overflows_cleared = self.fix_checker.replayer.reproduced is not None
         scaler = self.watched.scaler
         scale = scaler.scale() if scaler is not None else None
         first = report.first

@@ -33,7 +33,6 @@ from ..record.recorder import Recorder
 from ..record.watched import WatchedModel
 from .check import StepCheck
 from .closures import ClosureSteps
-from .fixcheck import FixChecker
 from .headroom import Headroom
 from .history import History, resolved
 from .judging import OVERFLOW, RAISE, SKIP, Judge, narrow_step
@@ -51,6 +50,21 @@ EXIT_NOTE = (
     "NonFiniteError is raised by the `with` statement itself: catch it with a try around the with block, or pass "
     "scaler= / call mon.step() so that every step is checked inside it."
 )
+
+
+def _narrow_optimizer(optimizer: Any) -> str | None:
+    """What the optimizer's own arithmetic cannot do in its parameters' dtype, as seen on it: an ``eps`` that rounds
+    to 0 in fp16 (Adam's default 1e-8, below fp16's smallest subnormal) in a group of fp16 parameters, so that where
+    a gradient and its running averages are 0 the update is 0/0."""
+    for group in getattr(optimizer, "param_groups", None) or ():
+        eps = group.get("eps")
+        if not isinstance(eps, float) or eps <= 0:
+            continue
+        if any(getattr(p, "dtype", None) == torch.float16 for p in group.get("params", ())) and \
+                torch.tensor(eps, dtype=torch.float16).item() == 0.0:
+            return (f"{type(optimizer).__name__}'s eps={eps:g} is 0 in float16, the dtype of its parameters: where a "
+                    "gradient is 0, its update divides 0 by sqrt(0) + 0, which is nan")
+    return None
 
 
 class Steps:
@@ -106,7 +120,7 @@ class Steps:
         self.at_exit = False  # the last step is being checked as the with block exits
         self.buffers: BufferGuard | None = None  # module buffers as each step began (put back after a detection)
         self.applied = 0  # steps checked in front of the optimizer and found finite: updates applied
-        self.fix_checker = FixChecker(replayer, watched)
+        self.fix_checker = judge.fix_checker
         self._ended = False
 
     def start(self) -> None:
@@ -157,7 +171,7 @@ class Steps:
         autocast = calls[-1].autocast if calls else None
         return Setup(self.optimizer is not None, self.manual, before, before and not self.late_check,
                      self.watched.kept_in_fp32(), self.via, forward_seen=seen, autocast=autocast,
-                     scaler=self.scaler is not None)
+                     scaler=self.scaler is not None, optimizer_note=_narrow_optimizer(self.optimizer))
 
     def observed(self, report: NonFiniteReport) -> dict[str, str]:
         """What the monitor saw of the bad step, for the report (its JSON carries it): each part of the step, and
@@ -273,7 +287,9 @@ class Steps:
             return
         self._ended = True
         first = self.reporter.first_overflow
-        if not self.applied and first is not None:
+        # every step the run ended was one the scaler skipped (and none was checked in front of the optimizer and
+        # found finite): without an optimizer given, only the first part can be seen
+        if not self.applied and first is not None and len(self.reporter.overflows) >= self.index:
             self.reporter.never_stepped(self.index, self.scaler is not None and self.scaler.deepspeed,
                                         narrow_step(first))
 
