@@ -37,7 +37,8 @@ def attach_monitor(model: Any, optimizer: Any, scaler: Any, *, report_dir: str, 
     kwargs = {"report_dir": os.environ.get(REPORT_DIR_VAR) or report_dir, "_via": via, **monitor_kwargs}
     monitor = NumericsMonitor(model, optimizer=optimizer, scaler=scaler, **kwargs)
     # what it runs inside (accelerate's DDP where FSDP was asked for, Lightning's strategy): said in the report
-    monitor.watching = describe(outermost_wrapper(model), monitor.optimizer, monitor.grads, monitor.watch_level,
-                                monitor.headroom_every)
+    # (a search of the process's modules: made when a report or the switch's announcement first needs it)
+    optimizer, grads, level, every = monitor.optimizer, monitor.grads, monitor.watch_level, monitor.headroom_every
+    monitor.watching = lambda: describe(outermost_wrapper(model), optimizer, grads, level, every)
     monitor.warnings = warnings
     return monitor

@@ -397,7 +397,8 @@ class NumericsMonitor:
         return self._reporter.watching
 
     @watching.setter
-    def watching(self, value: str) -> None:
+    def watching(self, value: str | Callable[[], str]) -> None:
+        """A line, or a callable that makes it when first needed."""
         self._reporter.watching = value
 
     @property

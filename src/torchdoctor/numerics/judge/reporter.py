@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 
 from ...advice import FP32_COLLAPSE_FIX, fp16_collapse_fix
 from ..engines.scalers import OverflowEvent
@@ -26,12 +27,24 @@ class Reporter:
     def __init__(self, report_dir: str, rank: int | None) -> None:
         self.report_dir = report_dir
         self.rank = rank
-        self.watching = ""  # what is watched, in one line: kept in every report
+        self._watching: str | Callable[[], str] = ""  # what is watched, in one line: kept in every report
         self.report: NonFiniteReport | None = None  # the last detection, the one raised
         self.warnings: list[NonFiniteReport] = []  # findings the run survives (an inf loss, finite gradients)
         self.overflows: list[OverflowEvent] = []  # steps a loss scaler skipped
         self.transients: list[NonFiniteReport] = []  # steps skipped with transient="skip"
         self.first_overflow: NonFiniteReport | None = None  # the report of the first step a loss scaler skipped
+
+    @property
+    def watching(self) -> str:
+        """What is watched, in one line; given as a callable, worked out on first use (a Trainer callback's search of
+        the process for the wrappers around its model: once, and only when a report or a caller needs it)."""
+        if callable(self._watching):
+            self._watching = self._watching()
+        return self._watching
+
+    @watching.setter
+    def watching(self, value: str | Callable[[], str]) -> None:
+        self._watching = value
 
     def write(self, report: NonFiniteReport, basename: str = "torchdoctor-nonfinite") -> list[str]:
         """Write ``report`` (its ``.txt`` and ``.json``); never raises: a note in the report says why not."""
