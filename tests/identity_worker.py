@@ -18,6 +18,8 @@ import sys
 import torch
 from torch import nn
 
+from train_step import update
+
 STEPS = 5
 
 
@@ -57,14 +59,7 @@ def run(kind: str, out_dir: str, monitor: bool) -> None:
         with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
             loss = (model(x).float() - y).pow(2).mean()
         losses.append(loss.item().hex())
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
-        opt.zero_grad()
+        update(loss, opt, scaler)
     if mon is not None:
         mon.close()
     with open(os.path.join(out_dir, f"result-rank{rank}.json"), "w", encoding="utf-8") as f:

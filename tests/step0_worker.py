@@ -24,6 +24,8 @@ import sys
 import torch
 from torch import nn
 
+from train_step import update
+
 STEPS = 6
 
 
@@ -117,14 +119,7 @@ def plain_loop(kind: str, fault: str, out_dir: str, api: bool, fix: str | None =
                 loss = model(x, m).float().pow(2).mean() if where else model(x)[1]
             result["losses"].append(loss.item())
             before = [p.detach().clone() for p in model.parameters()]
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
-            opt.zero_grad()
+            update(loss, opt, scaler)
             if any(not torch.equal(a, b) for a, b in zip(before, model.parameters())):
                 result["updates"] += 1
             result["steps"] = step + 1
