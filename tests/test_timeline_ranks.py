@@ -49,6 +49,10 @@ def test_each_rank_records_its_own_folder_and_the_page_has_both(two_runs, tmp_pa
     assert ranks[0].values.tolist() != ranks[1].values.tolist()  # (each rank its own batches)
     assert main(["numerics", "show", str(rec), "-o", str(tmp_path / "page.html")]) == 0
     assert "rank 1: 3 module outputs x 4 recorded steps" in capsys.readouterr().out
+    assert main(["numerics", "show", str(rec), "--ranks", "1", "-o", str(tmp_path / "one.html"), "--json"]) == 0
+    assert [r["rank"] for r in json.loads(capsys.readouterr().out)["ranks"]] == [1]
+    assert main(["numerics", "show", str(rec), "--ranks", "5"]) == 2
+    assert "has no rank 5 (it has 0, 1)" in capsys.readouterr().err
     state = browse(tmp_path / "page.html", tmp_path, "#rank=1")
     assert (state["rank"], state["rank_name"]) == (1, "rank 1") and state["panels"][0]["painted"] == 3 * 4
 

@@ -55,6 +55,16 @@ def _positive(text: str) -> int:
     return n
 
 
+def _ranks(text: str) -> list[int]:
+    try:
+        ranks = sorted({int(r) for r in text.replace(" ", "").split(",") if r})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected rank numbers like 0,3, got {text!r}") from None
+    if not ranks or ranks[0] < 0:
+        raise argparse.ArgumentTypeError(f"expected rank numbers >= 0 like 0,3, got {text!r}")
+    return ranks
+
+
 def _tolerance(text: str) -> float:
     try:
         x = float(text)
@@ -81,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="at most N step columns (default 1200, fewer for many modules or ranks: the page stays "
                            "under ~20 MB); a column holds its steps' largest abs max, the first non-finite step one "
                            "of its own")
+    show.add_argument("--ranks", metavar="LIST", type=_ranks, default=None,
+                      help="draw only these ranks, e.g. 0,3 (default: every rank recorded; many ranks share the "
+                           "page's size budget, so each gets fewer columns)")
     show.add_argument("--json", action="store_true", help="print what the page shows as JSON")
     show.set_defaults(_numerics_run="show", _sub_parser=show)
     describe(show, _Sub(SHOW_EXAMPLES, SHOW_EXIT_CODES))

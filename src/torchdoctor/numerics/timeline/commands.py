@@ -47,6 +47,18 @@ def show(args: argparse.Namespace) -> int:
     except NotARecording as e:
         print(f"torchdoctor numerics show: {e}", file=sys.stderr)
         return EXIT_USAGE
+    wanted = getattr(args, "ranks", None)
+    if wanted:
+        missing = sorted(set(wanted) - {r.rank for r in ranks})
+        if missing:
+            print(f"torchdoctor numerics show: {args.run_dir} has no rank {', '.join(map(str, missing))} (it has "
+                  f"{', '.join(str(r.rank) for r in ranks)})", file=sys.stderr)
+            return EXIT_USAGE
+        ranks = [r for r in ranks if r.rank in wanted]
+    if all(r.steps.numel() == 0 for r in ranks):
+        print(f"torchdoctor numerics show: {args.run_dir}: no step recorded yet (a recording is written every 50 "
+              "recorded steps, before a NonFiniteError, and when the monitor closes)", file=sys.stderr)
+        return EXIT_USAGE
     out = args.output or os.path.join(args.run_dir, "timeline.html")
     name = os.path.basename(os.path.abspath(args.run_dir))
     _progress(f"drawing {len(ranks)} rank(s) of {args.run_dir}")
@@ -68,6 +80,8 @@ def show(args: argparse.Namespace) -> int:
               f"{s.columns} columns drawn")
         if s.marker is not None:
             print(f"  {s.marker.text}")
+        elif not s.steps:
+            print("  no step recorded on this rank")
         elif s.first_bad is None:
             print("  every recorded value finite")
         if s.closest is not None:
@@ -85,6 +99,8 @@ def findings(summaries: list, out: str) -> list[Finding]:
         if s.marker is not None:
             found.append(Finding("numerics.timeline-nonfinite", "fail", f"rank {s.rank}: {s.marker.text}",
                                  evidence=[f"drawn in {out}"], data=data))
+        elif not s.steps:
+            found.append(Finding("numerics.timeline-empty", "info", f"rank {s.rank}: no step recorded", data=data))
         else:
             found.append(Finding("numerics.timeline-finite", "ok", f"rank {s.rank}: every recorded value finite "
                                  f"({len(s.steps)} steps x {s.rows} module outputs)",

@@ -186,8 +186,12 @@ def compare(run_a: list[RankTimeline], run_b: list[RankTimeline], rtol: float = 
     (i, p, _pos, r), n = best
     pair = pairs[n]
     s = next(s for s in stats if bool(differs(pair.a[s][p, i, r], pair.b[s][p, i, r], rtol, atol)))
-    others = [q.rank for m, q in enumerate(pairs) if m != n and bool(masks[m][p, i, r])] \
-        if all(q.rows == pair.rows for q in pairs) else []
+    others = []  # other ranks diverging at the same step, phase and row
+    for m, q in enumerate(pairs):
+        at = (q.steps == pair.steps[i]).nonzero().flatten()
+        if m != n and pair.rows[r] in q.rows and at.numel() and bool(masks[m][p, int(at[0]),
+                                                                              q.rows.index(pair.rows[r])]):
+            others.append(q.rank)
     upstream, agreed = _upstream(pair, i, p, r, s)
     result.first = Divergence(int(pair.steps[i]), pair.rank, _value(pair, i, p, r, s), others, upstream, agreed,
                               _growth(pair, masks[n], i, p, r, s), i, r)

@@ -250,6 +250,8 @@ def bin_steps(steps: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]
     of consecutive steps, each column the fold of its steps (its extremes exact); each step index in ``alone`` (the
     first non-finite step, a first divergence) is a column of its own. Every part gets the same columns."""
     n = steps.shape[0]
+    if n == 0:
+        return [Binned([], [], [], [], hi[:, :0], lo[:, :0]) for hi, lo in parts]
     if n <= max_columns:
         starts = list(range(n))
     else:

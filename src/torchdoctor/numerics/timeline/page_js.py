@@ -182,11 +182,15 @@ function mark(g, m, L, back) {
   g.fillStyle = "rgba(0,0,0,0.35)";
   g.fillRect(px + Math.floor(L.cw / 2), 0, 1, L.dr * L.rh);
   if (m.row !== null && m.row !== undefined) {
-    const y = Math.floor(m.row / L.gr), py = y * L.rh;
+    const y = Math.floor(m.row / L.gr), py = y * L.rh, W = L.dc * L.cw, H = L.dr * L.rh;
+    const box = (d) => {  // a frame d px around the cell, kept inside the canvas
+      const x0 = Math.max(1, px - d), y0 = Math.max(1, py - d);
+      return [x0, y0, Math.min(W - 1, px + L.cw + d) - x0, Math.min(H - 1, py + L.rh + d) - y0];
+    };
     g.lineWidth = 2; g.strokeStyle = "#000";
-    g.strokeRect(px - 3, py - 3, L.cw + 6, L.rh + 6);
+    g.strokeRect(...box(3));
     g.lineWidth = 1; g.strokeStyle = "#fff";
-    g.strokeRect(px - 4.5, py - 4.5, L.cw + 9, L.rh + 9);
+    g.strokeRect(...box(5));
     const k = (y * L.dc + x) * 4;
     out.pixel = [back[k], back[k + 1], back[k + 2]];
     out.display = [x, y];
@@ -303,8 +307,15 @@ function draw() {
   const rank = META.ranks[state.rank], group = META.groups[state.group];
   const area = document.getElementById("td-panels");
   area.innerHTML = "";
-  const L = layout(rank, group.panels.length);
   const out = {rank: state.rank, rank_name: rank.name, group: group.name, mode: state.mode, panels: []};
+  document.getElementById("td-report").textContent = rank.report || "";
+  document.getElementById("td-facts").textContent = rank.facts.join("\n");
+  if (!rank.first.length || !rank.rows.length) {
+    area.textContent = rank.name + " recorded no step" + (rank.rows.length ? "" : " and no module output");
+    document.getElementById("td-state").textContent = JSON.stringify(out);
+    return;
+  }
+  const L = layout(rank, group.panels.length);
   area.appendChild(rowLabels(rank, L));
   for (const p of group.panels) {
     const box = document.createElement("div");
@@ -314,8 +325,6 @@ function draw() {
   }
   const m = rank.marker;
   document.getElementById("td-marker").textContent = m ? m.text : "";
-  document.getElementById("td-report").textContent = rank.report || "";
-  document.getElementById("td-facts").textContent = rank.facts.join("\n");
   out.marker = m ? {step: m.step, col: m.col, row: m.row, phase: m.phase, module: m.module} : null;
   out.ms_since_navigation = Math.round(performance.now());
   document.getElementById("td-state").textContent = JSON.stringify(out);
