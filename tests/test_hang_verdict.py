@@ -206,3 +206,24 @@ def test_an_nccl_job_that_hangs_gets_ncclras_asked_and_its_answer_read(tmp_path,
     finally:
         rank.kill()
         rank.wait()
+
+
+def test_status_files_of_another_job_in_the_same_folder_are_not_taken_for_this_ones(tmp_path):
+    import subprocess
+    import time
+
+    from torchdoctor.run.inside import status
+    from torchdoctor.run.watch import Watch
+
+    command, other = subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sleep", "60"])
+    try:
+        for pid in (other.pid,):  # a rank of another run sharing --report-dir: alive, not below this command
+            status.write_json(status.path_for(str(tmp_path), pid), {"pid": pid, "rank": 0, "init": {"done": 1.0}})
+        w = Watch(str(tmp_path), 2.0, time.monotonic())
+        w.root = command.pid
+        w.poll(time.monotonic())
+        assert w.procs == {} and len(w.foreign) == 1
+    finally:
+        for p in (command, other):
+            p.kill()
+            p.wait()

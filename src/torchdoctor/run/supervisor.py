@@ -251,7 +251,7 @@ def run_command(argv: list[str], *, log_file: Any = None, interval: float = 0.5,
         sigs.start = start
         sigs.attach(proc.pid)
         if watch is not None:
-            watch.start = start
+            watch.start, watch.root = start, proc.pid
             sigs.hold = lambda sig: watch.worth_holding(time.monotonic())
         analysis = Analysis()
         mem = Memory(proc.pid, start)

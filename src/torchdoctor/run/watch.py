@@ -117,6 +117,9 @@ class Watch:
         self.procs: dict[tuple[str, int], Proc] = {}
         self.next_poll = 0.0
         self.next_cpu = 0.0
+        self.root: int | None = None  # the command's pid (set when it started)
+        self.started_epoch = time.time()
+        self.foreign: set[tuple[str, int]] = set()
         self.host = status.host()
         self.trigger: str | None = None  # why the job is being judged while it runs
         self.trigger_epoch: float | None = None
@@ -152,8 +155,13 @@ class Watch:
                 mtime = e.stat().st_mtime_ns
             except OSError:
                 continue
+            if key in self.foreign:
+                continue
             p = self.procs.get(key)
             if p is None:
+                if key[0] == self.host and not self._ours(key[1], e):
+                    self.foreign.add(key)  # another job's, or an earlier run's, in the same folder
+                    continue
                 p = self.procs[key] = Proc(key[0], key[1], changed=now, local=key[0] == self.host)
             if mtime != p.mtime:
                 doc = status.read_json(e.path)
@@ -189,6 +197,18 @@ class Watch:
             if p.cpu is not None and not p.in_wait() and cpu - p.cpu >= BUSY_SHARE * max(elapsed, POLL_S):
                 p.changed = now
             p.cpu = cpu
+
+    def _ours(self, pid: int, entry: os.DirEntry) -> bool:
+        """A process of this host is one of the command's when it descends from it; one already gone, when its file
+        was written since the command started."""
+        from .process import process_tree
+
+        if self.root is not None and read_stat(pid) is not None:
+            return pid in process_tree(self.root)
+        try:
+            return entry.stat().st_mtime >= self.started_epoch - 1.0
+        except OSError:
+            return False
 
     def _state(self, p: Proc, now: float) -> None:
         if not p.local or p.state == "gone":
