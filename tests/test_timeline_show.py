@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from timeline_runs import NONFINITE_RGB, browse, external_references, record_gpt2
+from timeline_runs import NONFINITE_RGB, browse, external_references, hover, record_gpt2
 from torchdoctor import NonFiniteError, NumericsMonitor
 from torchdoctor.cli import main
 from torchdoctor.numerics.timeline.html import CSP
@@ -70,6 +70,12 @@ def test_a_gpt2_going_non_finite_is_marked_where_the_monitor_found_it(tmp_path, 
     # every recorded value was painted, nothing else (one pixel per cell at this size)
     assert (fwd["painted"], bwd["painted"]) == (recorded_cells(rec, "fwd"), recorded_cells(rec, "bwd"))
     assert fwd["display"] == [len(meta["ranks"][0]["first"]), len(meta["ranks"][0]["rows"])]
+    # hover over that module's cell at step 0: its exact recorded values (float32, as few digits as tell them apart)
+    tip = hover(tmp_path / "page.html", tmp_path, p, marked["row"], 0).splitlines()
+    assert tip[0].startswith(f"{first.module} ({first.cls}) ") and tip[1] == "step 0"
+    hi, lo = re.match(r"abs max (\S+), abs min (\S+) \((\w+)\)", tip[2]).groups()[:2]
+    as_float32 = torch.tensor([float(hi), float(lo)], dtype=torch.float32).tolist()
+    assert as_float32 == [rec.values[0, col, 1].item(), rec.values[0, col, 0].item()]
 
 
 def test_the_demos_t5_in_fp16_is_marked_at_the_value_that_overflowed(tmp_path, capsys):

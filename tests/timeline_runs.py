@@ -89,6 +89,28 @@ def browse(page: Path, tmp_path: Path, fragment: str = "") -> dict:
     return json.loads(html.unescape(found.group(1)))
 
 
+HOVER = """<script>
+(function () {
+  const state = JSON.parse(document.getElementById("td-state").textContent);
+  const canvas = document.querySelectorAll("canvas.heat")[%(panel)d], shown = state.panels[%(panel)d].display;
+  const box = canvas.getBoundingClientRect();
+  canvas.dispatchEvent(new MouseEvent("mousemove", {clientX: box.left + (%(col)d + 0.5) * box.width / shown[0],
+                                                    clientY: box.top + (%(row)d + 0.5) * box.height / shown[1]}));
+  state.tip = document.getElementById("td-tip").textContent;
+  document.getElementById("td-state").textContent = JSON.stringify(state);
+})();
+</script>"""
+
+
+def hover(page: Path, tmp_path: Path, panel: int, row: int, col: int) -> str:
+    """The text the page shows when the mouse is over cell (row, col) of a panel: a copy of the page with a script
+    that moves the mouse there once everything is drawn."""
+    probe = tmp_path / f"hover-{page.name}"
+    probe.write_text(page.read_text().replace("</body>", HOVER % {"panel": panel, "row": row, "col": col}
+                                              + "</body>"))
+    return browse(probe, tmp_path)["tip"]
+
+
 def external_references(text: str) -> list[str]:
     """What in a page would make a browser fetch something: src/href attributes, CSS url() / @import, fetch()."""
     return re.findall(r"""\b(?:src|href)\s*=\s*["'][^"']+|url\(|@import|\bfetch\(|XMLHttpRequest""", text)
