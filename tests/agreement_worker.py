@@ -3,7 +3,10 @@
 ``python agreement_worker.py OUT_DIR MODE``:
   scaler-fwd           DDP + GradScaler; rank 0 alone gets an inf input: a forward inf is never a loss-scale
                        overflow, so both ranks raise (rank 1 only sees inf gradients)
-  scaler-bwd           DDP + GradScaler; rank 1's backward alone overflows: both ranks record it and go on
+  scaler-bwd           DDP + GradScaler; rank 1's backward alone overflows at the loss scale (finite without it):
+                       both ranks record it and go on
+  scaler-invalid       the same with a backward that makes inf and nan whatever the scale: rank 1 names it as an
+                       invalid op and both ranks raise at once (the scaler would skip every step)
   compiled-collective  a compiled block whose forward all-reduces (an MoE router's load counts); its output goes
                        inf on rank 1: the eager re-run must stop before the collective, both ranks raise
   attach-nan           FSDP2 with a nan in rank 1's shard of one weight: both ranks refuse at attach
@@ -28,6 +31,31 @@ from conftest import Boom, leave_worker
 from torchdoctor import NonFiniteError, NumericsMonitor
 
 
+class _GradTimes(torch.autograd.Function):
+    """Identity in the forward; the gradient times ``factor`` in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+class ScaleBoom(nn.Module):
+    """A backward that overflows fp32 only at the loss scale: the gradient times 1e38 (the gradient reaching it, ~9
+    at GradScaler's scale 256, makes ~9e38 > 3.4e38; at scale 1, ~4e36, it stays finite)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enabled = False
+
+    def forward(self, x):
+        return _GradTimes.apply(x, 1e38) if self.enabled else x * 1
+
+
 class Router(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -41,7 +69,7 @@ class Router(nn.Module):
 
 def scaler_run(mode: str, rank: int, out: str) -> dict:
     torch.manual_seed(0)
-    boom = Boom()
+    boom = ScaleBoom() if mode == "scaler-bwd" else Boom()
     boom.enabled = False
     model = nn.Sequential(nn.Linear(8, 16), boom, nn.ReLU(), nn.Linear(16, 1))
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -54,13 +82,14 @@ def scaler_run(mode: str, rank: int, out: str) -> dict:
                 x = torch.randn(4, 8)
                 if mode == "scaler-fwd" and rank == 0 and step == 2:
                     x[0, 0] = float("inf")
-                boom.enabled = mode == "scaler-bwd" and rank == 1 and step in (1, 2)
+                boom.enabled = mode in ("scaler-bwd", "scaler-invalid") and rank == 1 and step in (1, 2)
                 scaler.scale(ddp(x).pow(2).mean()).backward()
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad()
         except NonFiniteError as e:
-            result["error"] = {"first": e.first.to_json() if e.first else None, "bad_ranks": e.details.bad_ranks}
+            result["error"] = {"first": e.first.to_json() if e.first else None, "bad_ranks": e.details.bad_ranks,
+                               "cause": e.details.cause}
         result["steps"] = mon.step_index
         result["overflows"] = [(o.step, o.scale) for o in mon.overflows]
     return result

@@ -52,21 +52,25 @@ class Net(nn.Module):
 
 class Masked(nn.Module):
     """A masked mean normalisation: ``torch.where`` keeps the rows with a count, but the other branch still divides by
-    a count of 0 -- finite forward, 0/0 in the backward (``fixed``: the safe-denominator repair)."""
+    a count of 0 -- finite forward, 0/0 in the backward (``fixed``: the safe-denominator repair). ``loss16``: the
+    model returns its loss, computed in fp16 under autocast as timm's task does on a CPU -- a GradScaler's scaled
+    gradient (65536) is then inf in the loss's own dtype, and step 0's first bad value is that gradient, not the nan."""
 
-    def __init__(self, fixed: bool) -> None:
+    def __init__(self, fixed: bool, loss16: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.proj = nn.Linear(16, 16)
         self.head = nn.Linear(16, 1)
         self.fixed = fixed
+        self.loss16 = loss16
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.proj(x) * mask
         count = mask.sum(-1, keepdim=True)
         safe = torch.where(count > 0, count, torch.ones_like(count)) if self.fixed else count
         mean = torch.where(count > 0, h.sum(-1, keepdim=True) / safe, torch.zeros_like(count))
-        return self.head(h - mean)
+        out = self.head(h - mean)
+        return out.pow(2).mean() if self.loss16 else out
 
 
 def batches(fault: str, n: int = STEPS) -> list[torch.Tensor]:
@@ -101,10 +105,10 @@ def keep(model: nn.Module, fix: str | None) -> None:
 
 def plain_loop(kind: str, fault: str, out_dir: str, api: bool, fix: str | None = None) -> dict:
     where = kind.startswith("where")
-    model = Masked(fixed="safe-where" in (fix or "").split(",")) if where else Net(fault)
+    model = Masked(fixed="safe-where" in (fix or "").split(","), loss16=kind == "where-loss16") if where else Net(fault)
     keep(model, fix)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu") if kind in ("scaler", "where-scaler") else None
+    scaler = torch.amp.GradScaler("cpu") if kind in ("scaler", "where-scaler", "where-loss16") else None
     fp16 = kind != "where"
     dtype = torch.bfloat16 if "bf16" in (fix or "").split(",") else torch.float16
     mon = None
@@ -116,7 +120,10 @@ def plain_loop(kind: str, fault: str, out_dir: str, api: bool, fix: str | None =
     try:
         for step, (x, m) in enumerate(zip(batches(fault), masks(fault))):
             with torch.autocast("cpu", dtype=dtype, enabled=fp16):
-                loss = model(x, m).float().pow(2).mean() if where else model(x)[1]
+                if kind == "where-loss16":
+                    loss = model(x, m)
+                else:
+                    loss = model(x, m).float().pow(2).mean() if where else model(x)[1]
             result["losses"].append(loss.item())
             before = [p.detach().clone() for p in model.parameters()]
             update(loss, opt, scaler)
@@ -182,7 +189,7 @@ def lightning_loop(fault: str, out_dir: str, api: bool, fix: str | None = None) 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=["scaler", "plain", "lightning", "where", "where-scaler"])
+    ap.add_argument("kind", choices=["scaler", "plain", "lightning", "where", "where-scaler", "where-loss16"])
     ap.add_argument("fault", choices=["overflow", "grad-overflow", "nan-batch", "invalid", "none"])
     ap.add_argument("out_dir")
     ap.add_argument("--api", action="store_true")

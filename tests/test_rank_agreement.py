@@ -32,6 +32,16 @@ def test_a_backward_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
     assert r[0]["overflows"] == r[1]["overflows"]
 
 
+def test_an_invalid_op_behind_a_scalers_overflow_on_one_rank_stops_every_rank(tmp_path):
+    """Rank 1's backward makes a nan that fp32 without the loss scale makes too: rank 1 names it as an invalid op
+    (the scaler would skip every step) and rank 0, whose own replay has nothing to show, raises with it -- the
+    ranks never part (one raising while the other steps into its next collective)."""
+    r = run(tmp_path, "scaler-invalid")
+    assert r[1]["error"]["cause"] == "numerics.invalid_op" and r[1]["error"]["first"]["module"] == "1"
+    assert r[0]["error"]["bad_ranks"] == [1] and r[0]["error"]["cause"] == "numerics.other_rank"
+    assert r[0]["steps"] == r[1]["steps"] == 1 and r[0]["overflows"] == r[1]["overflows"] == []
+
+
 def test_a_rerun_never_makes_a_collective_alone(tmp_path):
     r = run(tmp_path, "compiled-collective")
     bad, good = r[1]["error"], r[0]["error"]

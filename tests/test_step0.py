@@ -18,6 +18,7 @@ import torch
 import step0_worker as W
 from runs import PY, ids, the, torchdoctor_run
 from torchdoctor import NonFiniteError
+from torchdoctor.numerics.engines import MonitorWarning
 from torchdoctor.numerics.explain import causes
 
 WORKER = str(Path(__file__).with_name("step0_worker.py"))
@@ -50,6 +51,12 @@ def applied(report, kept: str | None = None) -> str:
     return fix if kept is None or "in addition to" not in (report.fix or "") else f"{kept},{fix}"
 
 
+def trained(kind: str) -> int:
+    """The updates a healthy run of ``kind`` applies: every step, but the first under ``where-loss16``, whose fp16
+    loss cannot hold a GradScaler's first scale (65536 > 65504): the scaler skips that step, as it should."""
+    return W.STEPS - 1 if kind == "where-loss16" else W.STEPS
+
+
 # (program, fault) -> (phase, module, cause, fix_check) of the first bad value at step 0
 FAULTS = {
     ("scaler", "overflow"): ("fwd", "block1.0", causes.LOW_PRECISION_OVERFLOW, "fixed"),
@@ -61,6 +68,9 @@ FAULTS = {
     # under fp16 and a GradScaler the nan is not taken for an overflow to skip: fp32 does not cure it, so every step
     # would be skipped -- it is named at once
     ("where-scaler", "invalid"): ("bwd", "", causes.INVALID_OP, "not checked"),
+    # the same with the loss computed in fp16 inside the model: step 0's first bad value is the scaled loss gradient
+    # (65536 is inf in fp16), an overflow -- checked in fp32 from the scale itself, the nan behind it is named
+    ("where-loss16", "invalid"): ("bwd", "", causes.INVALID_OP, "not checked"),
     ("lightning", "overflow"): ("fwd", "body.0", None, "fixed"),
     ("lightning", "nan-batch"): ("fwd", "encoder.0", causes.BAD_INPUT, "not checked"),
 }
@@ -87,7 +97,7 @@ def test_a_fault_from_step_0_is_stopped_named_and_its_checked_fix_trains(tmp_pat
         again, after = run_api(kind, fault, tmp_path / "fixed", fix=applied(report))
         assert after is None, after.text()
         assert again["ended"] == "normally" and again["weights_finite"]
-        assert again.get("updates", again.get("steps")) == W.STEPS  # it trains
+        assert again.get("updates", again.get("steps")) == trained(kind)  # it trains
 
 
 def test_a_nan_only_in_the_backward_is_an_invalid_op_named_with_its_line_not_an_overflow(tmp_path):
@@ -121,12 +131,16 @@ def test_adam_on_fp16_weights_is_named_by_its_eps(tmp_path):
     trainer = L.Trainer(max_epochs=1, precision="16-true", accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[NumericsCallback(report_dir=tmp_path)])
-    with pytest.raises(NonFiniteError) as e:
+    with pytest.raises(NonFiniteError) as e, pytest.warns(MonitorWarning, match=r"eps=1e-08 is 0 in float16.*"
+                                                                r"cannot be stopped before it is applied"):
         trainer.fit(Lit(), torch.utils.data.DataLoader(data, batch_size=8))
     d = e.value.details
     assert d.cause == causes.BAD_WEIGHT and d.step == 1
     assert "AdamW's eps=1e-08 is 0 in float16" in d.diagnosis and "checkpoint" not in d.fix
     assert "16-mixed" in d.fix and "eps=1e-4" in d.fix
+    # the fix is the optimizer's or the weights' dtype: a replay of the step cannot try it, and says why
+    assert d.fix_check == "not checked" and "optimizer's own update" in d.fix_check_reason
+    assert "checkpoint" not in d.fix_check_reason
 
 
 def test_a_weight_gradient_overflow_is_not_blamed_on_the_loss(tmp_path):
@@ -164,11 +178,11 @@ def test_a_scaler_that_skips_every_step_is_a_finding_of_its_own(tmp_path):
     assert saved["fix_check"] == "not checked"
 
 
-@pytest.mark.parametrize("kind", ["scaler", "plain", "lightning", "where"])
+@pytest.mark.parametrize("kind", ["scaler", "plain", "lightning", "where", "where-loss16"])
 def test_the_healthy_twins_are_silent(tmp_path, kind, recwarn):
     got, report = run_api(kind, "none", tmp_path)
     assert report is None and got["ended"] == "normally"
-    assert got.get("updates", got.get("steps")) == W.STEPS
+    assert got.get("updates", got.get("steps")) == trained(kind)
     assert not list(tmp_path.glob("torchdoctor-nonfinite*"))
     assert not [w for w in recwarn if "torchdoctor" in str(w.message)], [str(w.message) for w in recwarn]
 

@@ -41,6 +41,10 @@ def two_runs(tmp_path_factory):
 def test_each_rank_records_its_own_folder_and_the_page_has_both(two_runs, tmp_path, capsys):
     _, (rc, rep, rec), _ = two_runs
     assert rc == 0 and the(rep, "numerics.attached")["severity"] == "ok"
+    attached = the(rep, "numerics.attached")  # run's verdict says where the recording is, as found on disk
+    assert attached["data"]["recorded"] == ["rank0", "rank1"] and f"recorded 2 rank(s) in {rec}" in attached["title"]
+    assert attached["fix"] == [f"torchdoctor numerics show {rec} -o timeline.html (the steps before it, module by "
+                               "module)"]
     ranks = read_run(str(rec))
     assert [r.rank for r in ranks] == [0, 1]
     for r in ranks:

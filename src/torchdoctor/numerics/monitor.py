@@ -85,7 +85,7 @@ from .judge.history import History
 from .judge.judging import Judge
 from .judge.replay import Replayer
 from .judge.reporter import Reporter
-from .judge.steps import Steps
+from .judge.steps import Steps, narrow_optimizer
 from .measure.stats import fused_check_works
 from .measure.windows import window_reduce_works
 from .options import check_options, default_report_dir
@@ -256,6 +256,12 @@ class NumericsMonitor:
         self._watched = watched = WatchedModel(model, optimizer, scaler, world)
         for text in watched.engine.warnings:
             warnings.warn("torchdoctor: " + text, MonitorWarning, stacklevel=2)
+        eps = narrow_optimizer(watched.optimizer)
+        if eps is not None:  # (an update from finite gradients: no check before the update can stop it)
+            warnings.warn(f"torchdoctor: {eps}. The monitor checks each step before its update, and such an update "
+                          "comes from finite gradients: it cannot be stopped before it is applied. Give the optimizer "
+                          "an eps fp16 holds (eps=1e-4), keep the weights in fp32 and compute in fp16 under autocast "
+                          "(Lightning: precision='16-mixed'), or train in bf16", MonitorWarning, stacklevel=2)
         self.model = watched.root
         self.optimizer = watched.optimizer
         self.scaler = watched.scaler.obj if watched.scaler is not None else None

@@ -62,7 +62,8 @@ from ..runvars import REPORT_DIR_VAR
 
 EXIT_USAGE, EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND = 2, 126, 127
 USAGE = ("torchdoctor run [--log FILE] [--json FILE] [--interval S] [--report-dir DIR] [--hang-after S|off] "
-         "[--no-flight] [--numerics [--grads G] [--trace-steps LIST] [--abort-after-step N]] -- CMD [ARG ...]")
+         "[--no-flight] [--numerics [--grads G] [--trace-steps LIST] [--abort-after-step N] [--record DIR "
+         "[--record-every N]]] -- CMD [ARG ...]")
 EXAMPLES = [
     ("torchdoctor run --numerics -- torchrun --nproc_per_node 8 train.py",
      "find the first module that goes inf/nan, no code change"),
@@ -255,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
             if not existed and result is None:
                 _remove_empty(report_dir, os.path.dirname(report_dir) if default_dir else None)
         if numerics is not None:
-            result.findings.append(switch.attach_finding(report_dir, started))
+            result.findings.append(switch.attach_finding(report_dir, started, numerics.get("record")))
         if prefix is not None:
             from .headline import fold
 

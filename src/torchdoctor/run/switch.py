@@ -126,8 +126,9 @@ def environment(opts: dict[str, Any]) -> dict[str, str]:
     return {k: v for k, v in env.items() if os.environ.get(k) != v}
 
 
-def attach_finding(report_dir: str, since: float) -> Finding:
-    """What ``--numerics`` attached to in this run, from the markers of its processes (removed once read)."""
+def attach_finding(report_dir: str, since: float, record: str | None = None) -> Finding:
+    """What ``--numerics`` attached to in this run, from the markers of its processes (removed once read); with
+    ``--record``, the ranks whose recording is on disk in ``record``."""
     from .inside import markers
 
     loaded = markers.read(report_dir, "loaded", since)
@@ -153,10 +154,23 @@ def attach_finding(report_dir: str, since: float) -> Finding:
             data={"loaded": len(loaded), "attached": []})
     lines = [f"{_rank(a)}{a.get('watching')}" + (" (the script's own monitor)" if a.get("own") else "")
              for a in attached]
+    recorded = _recorded(record)
+    said = f"; recorded {len(recorded)} rank(s) in {record}" if recorded else ""
     return Finding(
         "numerics.attached", "ok",
-        f"--numerics watched {len(attached)} process(es): {lines[0]}" + (" ..." if len(lines) > 1 else ""),
-        evidence=lines if len(lines) > 1 else [], fix=[], data={"loaded": len(loaded), "attached": attached})
+        f"--numerics watched {len(attached)} process(es): {lines[0]}" + (" ..." if len(lines) > 1 else "") + said,
+        evidence=lines if len(lines) > 1 else [],
+        fix=[f"torchdoctor numerics show {record} -o timeline.html (the steps before it, module by module)"]
+        if recorded else [],
+        data={"loaded": len(loaded), "attached": attached, "recorded": recorded, "record": record})
+
+
+def _recorded(record: str | None) -> list[str]:
+    """The rank folders of a recording that hold one (its settings written), as found on disk."""
+    if not record or not os.path.isdir(record):
+        return []
+    return sorted(d for d in os.listdir(record) if d.startswith("rank")
+                  and os.path.isfile(os.path.join(record, d, "settings.json")))
 
 
 def _rank(marker: dict[str, Any]) -> str:

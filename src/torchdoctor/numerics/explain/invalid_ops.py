@@ -78,16 +78,32 @@ _FORWARD_WHY = {
 }
 
 
-def repair(name: str, phase: str = "backward") -> tuple[str, str, str]:
+def repair(name: str, phase: str = "backward", code: str | None = None) -> tuple[str, str, str]:
     """(what the op is, why it gives nan -- its value in the ``"forward"``, its derivative in the ``"backward"`` --,
-    the usual repair) for a backward node or a forward op's name."""
+    the usual repair) for a backward node or a forward op's name. ``code``: the user's line that called it; where it
+    applies the op to one operand (``z.sqrt()``, ``torch.log(p)``), the repair is written with that name for ``x``."""
     base = op_base(name)
     found = _TABLE.get(base) or _TABLE.get(base.rstrip("_"))
     if found is not None:
         what, why, fix = found
         if phase == "forward":
             why = _FORWARD_WHY.get(base, why)
+        used = operand(base, code) if code else None
+        if used is not None and used != "x":
+            fix = re.sub(r"\bx\b", used, fix)
         return what, why, fix
     return (f"the op {base}", "its derivative has no value at the point it was asked for",
             "look at that line's inputs where the mask or the data makes them 0, +-1 or inf, and give that op a safe "
             "input there")
+
+
+_NAME = r"[A-Za-z_][\w.]*"
+
+
+def operand(base: str, code: str) -> str | None:
+    """The one name ``code`` applies the op ``base`` to -- ``z.sqrt()``, ``torch.sqrt(z)``, ``self.var.log()`` --, or
+    None when it names none or several (the repair keeps its ``x``)."""
+    names = set(re.findall(rf"({_NAME})\.{base}_?\(", code))
+    names |= set(re.findall(rf"\b(?:torch|math|F)\.{base}\(\s*({_NAME})\s*[,)]", code))
+    names.discard("torch")
+    return names.pop() if len(names) == 1 else None

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..explain import causes
 from ..explain.diagnosis import Setup, keep_fp32_fixes
 from ..explain.invalid_ops import repair
+from ..explain.ranges import dtype_name
 from ..explain.report import NonFiniteReport
 from ..fp32 import keep_fp32
 from ..record.calls import RootCall
@@ -94,7 +95,12 @@ class FixChecker:
     def check(self, report: NonFiniteReport, setup: Setup) -> None:
         """Set ``report.fix_check`` (and its reason); replace a fix that does not fix the step by one that does, or
         by the invalid operation's repair."""
+        if report.fix_check is not None:  # (decided already: an invalid op found behind a scaler's overflow)
+            return None
         cause = report.cause
+        if cause == causes.BAD_WEIGHT and setup.always_before and setup.optimizer_note:
+            return _said(report, NOT_CHECKED, "the optimizer's own update made the weight non-finite from finite "
+                         "gradients; a replay of the step runs the forward and backward, not the optimizer")
         if cause in _NOT_CHECKABLE:
             return _said(report, NOT_CHECKED, _NOT_CHECKABLE[cause])
         if cause not in _PRECISION and cause not in _MAYBE_INVALID:
@@ -139,28 +145,47 @@ class FixChecker:
         return _said(report, NOT_FIXED, f"tried on this step: {tried}; none made it finite" + (
             ", and no single op turning finite values into nan could be named" if nan else ""))
 
-    def invalid_behind_overflow(self, report: NonFiniteReport) -> bool:
-        """A loss scaler is about to skip a step whose first bad value is a nan: is it an overflow (finite in fp32:
-        the scaler's business) or an invalid op (nan in fp32 too: the scaler would skip every step, at every scale)?
-        True, with ``report`` rewritten to name the op, for the latter."""
-        if self.replayer.reproduced is None:
-            return False
-        call, backward, _ = self.replayer.reproduced
+    def invalid_behind_overflow(self, report: NonFiniteReport) -> str:
+        """A loss scaler is about to skip a step: is its non-finite value an overflow (finite in fp32 with the loss
+        scale taken out: the scaler's business) or an invalid op (nan there too: the scaler would skip every step, at
+        every scale)? Returns ``"invalid"``, with ``report`` rewritten to name the op (a nan made from finite values),
+        ``"overflow"`` (finite so, or only an inf: a range fp32 overflows too, which the scaler's collapse says), or
+        ``"unknown"`` (not replayed, or the gradient the model's output received is non-finite and no loss's)."""
+        if self.replayer.reproduced is not None:
+            call, backward, _ = self.replayer.reproduced
+        else:  # (the gradient the model's output received was bad already: the step was not replayed)
+            call, backward = self.replayer.bad_seed_call(), True
+            if call is None:
+                return "unknown"
+        scale = self.watched.scaler.scale() if self.watched.scaler is not None else None
+        unscaled = _unscaled(call, scale)
+        if unscaled is None:
+            return "unknown"
+        narrow_seed = next((g.dtype for g in call.output_grads.values() if not bool(torch.isfinite(g).all())), None)
+        call = unscaled
         if call.autocast:
             fp32 = _Try("fp32 (autocast off)", "", autocast=())
         elif _narrow_weights(self.watched.root):
             fp32 = _Try("fp32 weights", "", weights=torch.float32)
         else:
-            fp32 = None  # (already fp32)
-        if fp32 is not None and self._finite(call, backward, fp32):
-            return False
+            fp32 = _Try("as it ran", "")  # (already fp32: the loss scale is what is taken out)
+        if self._finite(call, backward, fp32):
+            return "overflow"
         found = self._invalid_op(call, backward)
-        if found is None:
-            return False
+        if found is None or not (found["nan"] or report.first.value == "nan"):
+            return "overflow"  # (no op made a nan from finite values: an inf is an overflow of fp32's range)
         self._invalid(report, found, backward)
-        report.notes.append("A loss scaler was about to skip this step as an overflow: a nan that fp32 does not cure "
-                            "comes back at every scale, so it would have skipped every step.")
-        return True
+        at = f" and without the loss scale ({scale:g})" if scale not in (None, 1.0) else ""
+        report.notes.append(f"A loss scaler was about to skip this step as an overflow: run again in fp32{at}, it made "
+                            "a nan all the same, so it would come back at every scale and every step be skipped.")
+        if narrow_seed is not None:
+            beyond = (f": the loss is {dtype_name(narrow_seed)} and the loss scale ({scale:g}) is beyond its largest "
+                      f"value ({torch.finfo(narrow_seed).max:.5g})" if scale > torch.finfo(narrow_seed).max else "")
+            report.notes.append(f"The gradient the model's output (a loss) received was already non-finite{beyond}; "
+                                "the fp32 run started its backward from the loss's own gradient at scale 1.")
+            report.replay_reason = ("the gradient reaching the model's output was already non-finite, so the step was "
+                                    "not run again as it ran; it was run in fp32 at scale 1, above")
+        return "invalid"
 
     # ------------------------------------------------------------------ what is tried
     def _tries(self, report: NonFiniteReport, setup: Setup, call: RootCall, frames: list) -> list[_Try]:
@@ -256,8 +281,8 @@ class FixChecker:
         return finder.found
 
     def _invalid(self, report: NonFiniteReport, found: dict[str, Any], backward: bool) -> None:  # noqa: ARG002
-        what, why, fix = repair(found["op"], found["phase"])
         where = found.get("where")
+        what, why, fix = repair(found["op"], found["phase"], where["code"] if where else None)
         line = f" at {where['file']}:{where['line']} ({where['code']})" if where else ""
         in_backward = found["phase"] == "backward"
         kind = "its derivative has no finite value in the backward" if in_backward else "it makes nan in the forward"
@@ -403,6 +428,23 @@ def _user_frame(trace: str) -> dict[str, Any] | None:
     return None
 
 
+def _unscaled(call: RootCall, scale: float | None) -> RootCall | None:
+    """``call`` with the gradients its outputs received divided by the loss ``scale``, in fp32 -- what they are at
+    scale 1. A loss's own gradient that the narrow dtype could not hold (the scale itself, 65536 > fp16's 65504) is 1.
+    None where an output's gradient is non-finite and is no loss's (what the loss sent in cannot be made again)."""
+    if scale in (None, 1.0) and all(bool(torch.isfinite(g).all()) for g in call.output_grads.values()):
+        return call
+    seeds = {}
+    for label, g in call.output_grads.items():
+        if bool(torch.isfinite(g).all()):
+            seeds[label] = g.float() / scale if scale else g
+        elif g.numel() == 1 and scale:
+            seeds[label] = torch.ones(g.shape, dtype=torch.float32, device=g.device)
+        else:
+            return None
+    return dataclasses.replace(call, output_grads=seeds)
+
+
 class _FirstNonFinite(TorchDispatchMode):
     """The first op of a replay that makes a non-finite value from inputs that were all finite: in the forward a nan
     (an inf there is an overflow, not an invalid op), in the backward an inf or a nan, with the backward node running
@@ -426,10 +468,11 @@ class _FirstNonFinite(TorchDispatchMode):
         if bad and not any(_has_nan(a) or _has_inf(a) for a in (*args, *(kwargs or {}).values())):
             if node is not None:
                 trace = "".join(node.metadata.get("traceback_") or ())
-                self.found = {"op": node.name(), "where": _user_frame(trace), "phase": "backward"}
+                self.found = {"op": node.name(), "where": _user_frame(trace), "phase": "backward",
+                              "nan": _has_nan(out)}
             else:
                 self.found = {"op": str(func), "where": _user_frame("".join(traceback.format_stack())),
-                              "phase": "forward"}
+                              "phase": "forward", "nan": True}
         return out
 
 

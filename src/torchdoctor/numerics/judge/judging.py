@@ -42,6 +42,7 @@ from .verdict import (
     NO_BAD,
     NOT_REPRODUCED_OFFSET,
     UNKNOWN_GRADIENT,
+    agreed_max,
     first_bad_code,
     not_reproduced,
     origin_ranks,
@@ -80,7 +81,7 @@ class Judge:
                  hf: bool, transient: str, auto_localize: bool, min_loss_scale: float,
                  max_consecutive_overflows: int) -> None:
         self.fix_checker = fix_checker
-        self.nan_overflows_cleared = False  # a nan a scaler skipped was finite in fp32: an ordinary overflow
+        self.overflows_cleared = False  # a step a scaler skipped was finite in fp32: its overflows are ordinary
         self.watched = watched
         self.recorder = recorder
         self.history = history
@@ -225,13 +226,16 @@ class Judge:
 
     def _overflow(self, step: int, report: NonFiniteReport) -> Outcome:
         """A step the loss scaler skips: recorded, unless the scale collapsed or too many steps in a row overflowed
-        (then raised), or its nan is an invalid op that fp32 does not cure (then raised at once: every step would be
-        skipped). The nan is checked until one turns out finite in fp32 (then the scaler's overflows are ordinary)."""
-        nan = report.first is not None and report.first.value == "nan"
-        if nan and not self.nan_overflows_cleared:
-            if self.fix_checker.invalid_behind_overflow(report):
+        (then raised), or its non-finite value comes from an invalid op fp32 does not cure (then raised at once: every
+        step would be skipped). Skipped steps are checked until one turns out finite in fp32 (then the scaler's
+        overflows are ordinary)."""
+        if not self.overflows_cleared:
+            verdict = self.fix_checker.invalid_behind_overflow(report) if report.first is not None else "unknown"
+            if self.check.sync_ranks:  # (every rank reaches this point of the step: it carries out what one found)
+                verdict = _BEHIND[agreed_max(_BEHIND.index(verdict))]
+            if verdict == "invalid":
                 return Outcome(RAISE, report)
-            self.nan_overflows_cleared = self.fix_checker.replayer.reproduced is not None
+            self.overflows_cleared = verdict == "overflow"
         scaler = self.watched.scaler
         scale = scaler.scale() if scaler is not None else None
         first = report.first
@@ -299,6 +303,11 @@ class Judge:
                     rank=self.rank, cause=causes.BAD_WEIGHT,
                 )
         return None
+
+
+# what the fp32 check behind a scaler's overflow found, in the order the ranks' findings are combined (the most
+# informed wins: a rank that could not tell defers to one that did; an invalid op on one rank stops them all)
+_BEHIND = ("unknown", "overflow", "invalid")
 
 
 def narrow_step(report: NonFiniteReport) -> bool:

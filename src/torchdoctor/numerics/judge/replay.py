@@ -274,6 +274,12 @@ class Replayer:
             report.cause, report.fp32_region, report.evidence, report.cited = causes.UNLOCALIZED, None, (), []
         return _settled(report, NOT_REPLAYED, reason)
 
+    def bad_seed_call(self) -> RootCall | None:
+        """The call of the current step whose outputs received a non-finite gradient (not replayed: the fault came
+        from outside the model) and whose inputs are as they were, or None."""
+        bad = _bad_output_grad(list(self.recorder.rec.root_calls))
+        return bad[0] if bad is not None and not changed_input(bad[0]) else None
+
     def localize(self, rec: StepRecord, report: NonFiniteReport, frames: list[ResolvedFrame], start: int,
                  judge_params: bool, setup: Setup) -> NonFiniteReport:
         """Replay the micro-batch of the step (``rec``) that went bad. When the step was not seen whole -- watched at

@@ -52,7 +52,7 @@ EXIT_NOTE = (
 )
 
 
-def _narrow_optimizer(optimizer: Any) -> str | None:
+def narrow_optimizer(optimizer: Any) -> str | None:
     """What the optimizer's own arithmetic cannot do in its parameters' dtype, as seen on it: an ``eps`` that rounds
     to 0 in fp16 (Adam's default 1e-8, below fp16's smallest subnormal) in a group of fp16 parameters, so that where
     a gradient and its running averages are 0 the update is 0/0."""
@@ -171,7 +171,7 @@ class Steps:
         autocast = calls[-1].autocast if calls else None
         return Setup(self.optimizer is not None, self.manual, before, before and not self.late_check,
                      self.watched.kept_in_fp32(), self.via, forward_seen=seen, autocast=autocast,
-                     scaler=self.scaler is not None, optimizer_note=_narrow_optimizer(self.optimizer))
+                     scaler=self.scaler is not None, optimizer_note=narrow_optimizer(self.optimizer))
 
     def observed(self, report: NonFiniteReport) -> dict[str, str]:
         """What the monitor saw of the bad step, for the report (its JSON carries it): each part of the step, and
@@ -443,8 +443,7 @@ class Steps:
     def raise_(self, report: NonFiniteReport) -> None:
         self.finish(report)
         if self.timeline is not None:
-            self.timeline.flush()  # the recording is on disk before anything is raised
-            self.timeline.writer.close(report.to_json())
+            self.timeline.stopped(report)  # the recording and the report are on disk before anything is raised
         raise NonFiniteError(report)
 
     # ------------------------------------------------------------------ the model's calls (StepEvents)

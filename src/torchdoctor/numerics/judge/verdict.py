@@ -73,3 +73,12 @@ def origin_ranks(code: int) -> tuple[list[int], int]:
     values = codes.cpu().tolist()
     best = min(values)
     return ([] if best >= NO_BAD else [r for r, v in enumerate(values) if v == best]), best
+
+
+def agreed_max(value: int) -> int:
+    """The largest of every rank's ``value`` (a collective: every rank calls it at the same point of a bad step), so
+    that a decision one rank's own evidence made is carried out by all of them."""
+    dist = torch.distributed
+    t = torch.tensor([value], dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
