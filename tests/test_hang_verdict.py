@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from torchdoctor.comm.hang import ras, slow
 from torchdoctor.comm.hang.analyze import analyze
 from torchdoctor.comm.hang.dumps import Dumps, RankDump
@@ -227,3 +229,59 @@ def test_status_files_of_another_job_in_the_same_folder_are_not_taken_for_this_o
         for p in (command, other):
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("busy_beat, hangs", [({"pending": True}, False), ({"in_collective": True}, True)])
+def test_a_rank_that_computes_with_a_host_backends_collective_pending_is_working(tmp_path, busy_beat, hangs):
+    """gloo's recorder says "last completed" late: a rank computing its own code outside any collective can show a
+    collective still pending (the beat's ``pending``). Its CPU time then counts as work, and the other rank waiting
+    in the next collective is no hang. A rank *inside* a collective (a device backend's sync may spin) stays a wait
+    however busy its CPU is: past the threshold, it hangs."""
+    import subprocess
+    import sys
+    import time
+
+    from torchdoctor.run.inside import status
+    from torchdoctor.run.watch import Watch
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    waiting = subprocess.Popen(["sleep", "60"])
+    try:
+        for pid, rank, beat in ((busy.pid, 1, busy_beat), (waiting.pid, 0, {"in_collective": True})):
+            status.write_json(status.path_for(str(tmp_path), pid), {
+                "pid": pid, "rank": rank, "world": 2, "init": {"backend": "gloo", "done": 1.0, "timeout_s": 600},
+                "beat": {"t": time.time(), "period": 0.25, "groups": {"0": [9 - rank, -1, 4 + 4 * (1 - rank)]},
+                         **beat}})
+        w = Watch(str(tmp_path), 2.0, time.monotonic() - 10)  # (its CPU time is read every second)
+        stalled, end = None, time.monotonic() + 5.0
+        while time.monotonic() < end and stalled is None:
+            now = time.monotonic()
+            w.poll(now)
+            stalled = w.stalled(now)
+            time.sleep(0.05)
+        assert (stalled is not None) == hangs, (stalled, {k: (p.cpu, p.changed) for k, p in w.procs.items()})
+    finally:
+        for p in (busy, waiting):
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("host, inside", [(True, False), (False, True)])
+def test_a_lagging_completion_counter_is_pending_on_a_host_backend_and_inside_on_a_device_one(tmp_path, monkeypatch,
+                                                                                             host, inside):
+    """The beat of a rank running its own line while the recorder says 8 entered, 4 completed: on gloo the stack is
+    believed (a gloo collective holds the main thread in torch.distributed), so it is pending, not inside; on NCCL the
+    main thread blocks anywhere after the launch, so it is inside."""
+    from torchdoctor.run.inside import beat, status
+
+    monkeypatch.setattr(beat, "fr_counters", lambda: {"0": [8, -1, 4]})
+    monkeypatch.setattr(beat, "host_backend", lambda: host)
+    monkeypatch.setattr(beat, "main_stack", lambda: [["/job/train.py", 73, "evaluate"]])
+    b = beat.Beat(str(tmp_path), 0.25, lambda why, stack: None)
+    b.tick()
+    doc = status.read_json(b.path)["beat"]
+    assert (doc["in_collective"], doc["pending"]) == (inside, not inside)
+    monkeypatch.setattr(beat, "main_stack", lambda: [["/job/train.py", 77, "reduce"],
+                                                     ["/site-packages/torch/distributed/c10d.py", 9, "all_reduce"]])
+    b.tick()
+    assert status.read_json(b.path)["beat"]["in_collective"] is True

@@ -75,6 +75,11 @@ class Proc:
         return "end" in self.doc or self.state == "gone"
 
     def in_wait(self) -> bool:
+        """Waiting for the others: in init, in a collective, or with collectives of a host backend still pending."""
+        return self.in_collective() or bool((self.doc.get("beat") or {}).get("pending"))
+
+    def in_collective(self) -> bool:
+        """In init or inside a collective: its CPU time is no sign of work (a device sync may spin)."""
         init = self.doc.get("init") or {}
         if init and not init.get("done") and not init.get("error"):
             return True
@@ -194,7 +199,7 @@ class Watch:
                 tree.append(pid)
                 todo.extend(children.get(pid, ()))
             cpu = sum(cpu_seconds(pid) for pid in tree)
-            if p.cpu is not None and not p.in_wait() and cpu - p.cpu >= BUSY_SHARE * max(elapsed, POLL_S):
+            if p.cpu is not None and not p.in_collective() and cpu - p.cpu >= BUSY_SHARE * max(elapsed, POLL_S):
                 p.changed = now
             p.cpu = cpu
 

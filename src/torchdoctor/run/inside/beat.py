@@ -46,6 +46,26 @@ def in_distributed(stack: list) -> bool:
     return any(_TORCH_DIST in str(f[0]) for f in stack[-12:])
 
 
+_HOST_BACKENDS = {"gloo", "mpi"}
+_DEVICE_TYPES = {"cpu", "cuda", "xpu", "hpu", "mps", "npu", "meta"}  # ("cpu:gloo,cuda:nccl" names both)
+_host_backend: list[bool] = []  # the default group's answer, once known
+
+
+def host_backend() -> bool:
+    """Does the default process group run on the host only (gloo, mpi -- no device backend beside it)?"""
+    if not _host_backend:
+        try:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                return False
+            names = set(str(dist.get_backend()).lower().replace(":", ",").split(",")) - _DEVICE_TYPES - {""}
+        except Exception:  # noqa: BLE001 -- (never the program's failure)
+            return False
+        _host_backend.append(bool(names) and names <= _HOST_BACKENDS)
+    return _host_backend[0]
+
+
 def fr_counters() -> dict[str, list[int]] | None:
     """Per process group: [last enqueued, last started, last completed] collective, from Flight Recorder's status;
     None where the recorder is off or absent (no counters)."""
@@ -170,8 +190,15 @@ class Beat:
     def tick(self) -> None:
         stack = main_stack()
         groups = fr_counters()
-        busy = bool(groups) and any(g[0] > g[2] for g in groups.values())
-        inside = busy or in_distributed(stack)
+        behind = bool(groups) and any(g[0] > g[2] for g in groups.values())
+        # A host backend's collective holds the main thread in torch.distributed until it completes, so the stack
+        # says it; its recorder's "last completed" lags (gloo's stayed 4 behind for seconds while the rank ran its own
+        # code outside any collective, and run took that evaluation for a hang): "pending", and run tells a rank that
+        # computes from one that waits (DDP's reducer under backward) by its CPU time. A device backend returns at once
+        # and the main thread blocks later, anywhere (a CUDA sync in the user's line, perhaps spinning): the counters
+        # say it is inside.
+        inside = in_distributed(stack) or (behind and not host_backend())
+        pending = behind and not inside
         if not inside and stack:
             from ...comm.hang.facts import user_site
 
@@ -180,7 +207,7 @@ class Beat:
             self.n_samples += 1
         top = [[*k, n] for k, n in self.samples.most_common(MAX_SAMPLE_SITES)]
         self.set(beat={"t": time.time(), "period": self.period, "groups": groups, "in_collective": inside,
-                       "stack": stack, "samples": top, "n_samples": self.n_samples})
+                       "pending": pending, "stack": stack, "samples": top, "n_samples": self.n_samples})
         self._answer()
 
     def _answer(self) -> None:

@@ -9,7 +9,9 @@ half-read) by that process:
   ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ...), ``timeout_s``, the ``stack`` of the call, ``t`` when it
   entered, ``done`` when it returned (or ``error``);
 * ``beat``: written every ``period`` seconds by a thread of that process once it is distributed: ``t``, ``groups``
-  (per process group: Flight Recorder's last enqueued / started / completed collective), ``in_collective``, the main
+  (per process group: Flight Recorder's last enqueued / started / completed collective), ``in_collective`` (the main
+  thread inside torch.distributed, or a device backend's collective not completed), ``pending`` (a host backend's
+  collective not completed by the counters while the main thread is elsewhere: its completion lags), the main
   thread's ``stack``, and ``samples``: where the main thread was, counted per sample taken outside a collective;
 * ``end``: how it ended, where Python saw it (``how``: ``exit`` with ``code``, ``exception`` with ``error``, or
   ``signal`` with ``signal``), its ``stack``, ``t``; and ``timing``: when it entered each collective (for a slow
