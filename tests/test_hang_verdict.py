@@ -231,12 +231,14 @@ def test_status_files_of_another_job_in_the_same_folder_are_not_taken_for_this_o
             p.wait()
 
 
-@pytest.mark.parametrize("busy_beat, hangs", [({"pending": True}, False), ({"in_collective": True}, True)])
+@pytest.mark.parametrize("busy_beat, hangs", [({"pending": True}, False), ({"in_collective": True}, True),
+                                               ({"in_collective": True, "late": True}, False)])
 def test_a_rank_that_computes_with_a_host_backends_collective_pending_is_working(tmp_path, busy_beat, hangs):
     """gloo's recorder says "last completed" late: a rank computing its own code outside any collective can show a
     collective still pending (the beat's ``pending``). Its CPU time then counts as work, and the other rank waiting
     in the next collective is no hang. A rank *inside* a collective (a device backend's sync may spin) stays a wait
-    however busy its CPU is: past the threshold, it hangs."""
+    however busy its CPU is: past the threshold, it hangs -- unless its heartbeat is late: a wait hands the GIL over
+    and the beat comes on time, so a late one says the main thread is busy in Python, its "inside" from before."""
     import subprocess
     import sys
     import time
@@ -247,11 +249,14 @@ def test_a_rank_that_computes_with_a_host_backends_collective_pending_is_working
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     waiting = subprocess.Popen(["sleep", "60"])
     try:
-        for pid, rank, beat in ((busy.pid, 1, busy_beat), (waiting.pid, 0, {"in_collective": True})):
-            status.write_json(status.path_for(str(tmp_path), pid), {
-                "pid": pid, "rank": rank, "world": 2, "init": {"backend": "gloo", "done": 1.0, "timeout_s": 600},
-                "beat": {"t": time.time(), "period": 0.25, "groups": {"0": [9 - rank, -1, 4 + 4 * (1 - rank)]},
-                         **beat}})
+        def beats() -> None:  # (each rank's heartbeat, every period; a late one stays 5 s behind)
+            for pid, rank, beat in ((busy.pid, 1, dict(busy_beat)), (waiting.pid, 0, {"in_collective": True})):
+                status.write_json(status.path_for(str(tmp_path), pid), {
+                    "pid": pid, "rank": rank, "world": 2, "init": {"backend": "gloo", "done": 1.0, "timeout_s": 600},
+                    "beat": {"t": time.time() - (5.0 if beat.pop("late", False) else 0.0), "period": 0.25,
+                             "groups": {"0": [9 - rank, -1, 4 + 4 * (1 - rank)]}, **beat}})
+
+        beats()
         w = Watch(str(tmp_path), 2.0, time.monotonic() - 10)  # (its CPU time is read every second)
         stalled, end = None, time.monotonic() + 5.0
         while time.monotonic() < end and stalled is None:
@@ -259,6 +264,7 @@ def test_a_rank_that_computes_with_a_host_backends_collective_pending_is_working
             w.poll(now)
             stalled = w.stalled(now)
             time.sleep(0.05)
+            beats()
         assert (stalled is not None) == hangs, (stalled, {k: (p.cpu, p.changed) for k, p in w.procs.items()})
     finally:
         for p in (busy, waiting):

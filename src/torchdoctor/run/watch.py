@@ -28,6 +28,7 @@ from .inside import status
 
 POLL_S = 0.25
 CPU_EVERY_S = 1.0  # how often a rank's CPU time (its process tree's) is read
+LATE_BEATS, LATE_MIN_S = 4, 1.0  # a heartbeat older than this many periods (and at least this long) is late
 BUSY_SHARE = 0.1  # a rank outside collectives that used this share of a CPU since the last read is working
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 GRACE_S = 5.0  # from SIGTERM to SIGKILL when run ends the job
@@ -77,6 +78,16 @@ class Proc:
     def in_wait(self) -> bool:
         """Waiting for the others: in init, in a collective, or with collectives of a host backend still pending."""
         return self.in_collective() or bool((self.doc.get("beat") or {}).get("pending"))
+
+    def beat_late(self) -> bool:
+        """Is its heartbeat late? A thread that waits in a collective -- gloo's, a CUDA sync -- hands the GIL over, and
+        the beat comes on time; a main thread that holds it (the rank's own Python code, computing) delays the beat,
+        and what its last beat said ("inside a collective", from before) is old news."""
+        beat = self.doc.get("beat") or {}
+        t, period = beat.get("t"), beat.get("period")
+        if not isinstance(t, (int, float)) or not isinstance(period, (int, float)):
+            return False
+        return time.time() - t > max(LATE_BEATS * period, LATE_MIN_S)
 
     def in_collective(self) -> bool:
         """In init or inside a collective: its CPU time is no sign of work (a device sync may spin)."""
@@ -199,7 +210,8 @@ class Watch:
                 tree.append(pid)
                 todo.extend(children.get(pid, ()))
             cpu = sum(cpu_seconds(pid) for pid in tree)
-            if p.cpu is not None and not p.in_collective() and cpu - p.cpu >= BUSY_SHARE * max(elapsed, POLL_S):
+            if p.cpu is not None and (not p.in_collective() or p.beat_late()) and \
+                    cpu - p.cpu >= BUSY_SHARE * max(elapsed, POLL_S):
                 p.changed = now
             p.cpu = cpu
 

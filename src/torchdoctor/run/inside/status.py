@@ -49,9 +49,10 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
     folder = os.path.dirname(path)
     if folder:
         os.makedirs(folder, exist_ok=True)
+    data = json.dumps(doc, default=str)  # (one write: the heartbeat calls this every period)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, default=str)
+        fh.write(data)
     os.replace(tmp, path)
 
 
