@@ -15,6 +15,11 @@ import torch
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
+# One compute thread in each test process and in each process a test starts (unless the test names its own): `make
+# test` runs two workers on a 2-core machine, and more threads than cores only wait for each other.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
 WATCH_LEVELS = ("boundaries", "every-module")
 
 
