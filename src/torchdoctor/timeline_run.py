@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from .cli_args import number_list
+
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
 EXAMPLES = [
@@ -56,13 +58,7 @@ def _positive(text: str) -> int:
 
 
 def _ranks(text: str) -> list[int]:
-    try:
-        ranks = sorted({int(r) for r in text.replace(" ", "").split(",") if r})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected rank numbers like 0,3, got {text!r}") from None
-    if not ranks or ranks[0] < 0:
-        raise argparse.ArgumentTypeError(f"expected rank numbers >= 0 like 0,3, got {text!r}")
-    return ranks
+    return sorted(set(number_list(text, "rank numbers", "0,3")))
 
 
 def _tolerance(text: str) -> float:

@@ -14,6 +14,7 @@ import argparse
 import os
 from typing import Any
 
+from ..cli_args import number_list
 from ..findings import Finding
 
 # as the monitor's options (numerics.options, which imports torch)
@@ -24,13 +25,7 @@ TRANSIENT_ACTIONS = ("raise", "skip")
 
 def steps_list(text: str) -> list[int]:
     """``--trace-steps 1,3``: step numbers (from 0), comma-separated."""
-    try:
-        steps = [int(s) for s in text.replace(" ", "").split(",") if s]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected step numbers like 1,3, got {text!r}") from None
-    if not steps or any(s < 0 for s in steps):
-        raise argparse.ArgumentTypeError(f"expected step numbers >= 0 like 1,3, got {text!r}")
-    return steps
+    return number_list(text, "step numbers", "1,3")
 
 
 def step_number(text: str) -> int:
