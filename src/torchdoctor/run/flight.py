@@ -105,13 +105,13 @@ def job_facts(watch: Watch, result: Any = None, live: bool = False) -> tuple[Job
         f.busy = (p.seen[1] if p.seen else p.char) == "R"
         if p.exit_code is not None and os.WIFSIGNALED(p.exit_code):
             f.signal = signal.Signals(os.WTERMSIG(p.exit_code)).name
-            f.signal_witness = f"process state: /proc/{p.pid}/stat of its zombie: killed by {f.signal}"
+            f.signal_witnesses.append(f"process state: /proc/{p.pid}/stat of its zombie: killed by {f.signal}")
         elif p.exit_code is not None and os.WIFEXITED(p.exit_code):
             f.exit_code = os.WEXITSTATUS(p.exit_code)
         kill = kills.get(p.pid)
-        if kill is not None and f.signal is None:
-            f.signal = kill.get("signal")
-            f.signal_witness = f"launcher log: {str(kill.get('text') or '').strip()[:200]}"
+        if kill is not None:  # the launcher's line too, where run also read the zombie: two witnesses, not one
+            f.signal = f.signal or kill.get("signal")
+            f.signal_witnesses.append(f"launcher log: {str(kill.get('text') or '').strip()[:200]}")
         f.oom_lines = [line for line in oom if re.search(rf"\b{p.pid}\b", line)]
         boundary = watch.ending_epoch or (watch.trigger_epoch if watch.trigger else None)
         ended = f.end_time if f.end_time is not None else f.gone_at

@@ -60,7 +60,7 @@ class RankFacts:
     busy: bool | None = None  # last read R (on a CPU) rather than S/D
     exit_code: int | None = None  # from a zombie's /proc stat, or the launcher's log
     signal: str | None = None  # the signal that killed it, where a witness says so
-    signal_witness: str = ""
+    signal_witnesses: list[str] = field(default_factory=list)  # each line that saw the signal (zombie, launcher log)
     oom_lines: list[str] = field(default_factory=list)  # kernel OOM-killer lines that name its pid
     init: dict | None = None  # its status file's init_process_group record
     beat: dict | None = None  # its last heartbeat

@@ -326,8 +326,7 @@ def _killed(dumps: Dumps, partings: list, p: Parting | None, job: JobFacts, proc
              + (f", after {last}" if last else "") + f"; its last heartbeat had it at {_at(site)}")
     ev = []
     for f in dead:
-        if f.signal_witness:
-            ev.append(f"{f.signal_witness}")
+        ev += f.signal_witnesses
         if f.state_witness:
             ev.append(f"process state: rank {f.rank} (pid {f.pid}) {f.state_witness}")
         ev += [f"kernel log: {line}" for line in f.oom_lines]
