@@ -291,3 +291,57 @@ def test_a_lagging_completion_counter_is_pending_on_a_host_backend_and_inside_on
                                                      ["/site-packages/torch/distributed/c10d.py", 9, "all_reduce"]])
     b.tick()
     assert status.read_json(b.path)["beat"]["in_collective"] is True
+
+
+def test_a_rank_that_leaves_a_collective_has_moved_and_a_due_heartbeat_holds_the_verdict(tmp_path):
+    """What a rank does now is known from its last heartbeat, a period old at best. A beat that says it left the
+    collective it was in (gloo's recorder has not counted it completed yet: same counters) is progress; and while a
+    running rank's next beat is due and not seen, nothing is judged on its last one -- until that beat is late (a main
+    thread holding the GIL), when the rank is judged by what it does (here: asleep, so the job hangs)."""
+    import subprocess
+    import time
+
+    from torchdoctor.run import watch as watch_mod
+    from torchdoctor.run.inside import status
+    from torchdoctor.run.watch import Watch
+
+    ranks = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+
+    def beat(i: int, age: float, inside: bool) -> None:
+        status.write_json(status.path_for(str(tmp_path), ranks[i].pid), {
+            "pid": ranks[i].pid, "rank": i, "world": 2, "init": {"backend": "gloo", "done": 1.0, "timeout_s": 600},
+            "beat": {"t": time.time() - age, "period": 1.0, "groups": {"0": [8 + i, -1, 8]}, "in_collective": inside}})
+
+    try:
+        beat(0, 0.0, True)
+        beat(1, 0.0, True)
+        w = Watch(str(tmp_path), 2.0, time.monotonic() - 10)
+        t0 = time.monotonic()
+        w.poll(t0)
+        key = next(k for k, p in w.procs.items() if p.rank == 1)
+        beat(1, 0.0, False)  # out of the collective, counters unchanged
+        w.next_poll = 0.0
+        w.poll(t0 + 1.0)
+        assert w.procs[key].changed == t0 + 1.0
+        beat(1, 0.0, True)  # into the next one: progress too
+        w.next_poll = 0.0
+        w.poll(t0 + 1.5)
+        assert w.procs[key].changed == t0 + 1.5
+        # both inside, no progress for 2.5 s, and rank 1's beat 1.8 s old: due, not late -- no verdict yet
+        beat(0, 0.0, True)
+        beat(1, 1.0 + watch_mod.DUE_SLACK_S + 0.3, True)
+        w.next_poll = 0.0
+        w.poll(t0 + 4.0)
+        assert w.procs[key].beat_due() and w.stalled(t0 + 4.0) is None
+        beat(1, 0.2, True)  # the beat came: still inside; the verdict is due
+        w.next_poll = 0.0
+        w.poll(t0 + 4.0)
+        assert w.stalled(t0 + 4.1) is not None
+        beat(1, watch_mod.LATE_BEATS * 1.0 + 1.0, True)  # late, and its process asleep: a wait all the same
+        w.next_poll = 0.0
+        w.poll(t0 + 4.2)
+        assert not w.procs[key].beat_due() and w.stalled(t0 + 4.2) is not None
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()

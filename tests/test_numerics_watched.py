@@ -12,7 +12,7 @@ from torch import nn
 
 import torchdoctor
 from torchdoctor import NonFiniteError, NumericsMonitor
-from torchdoctor.numerics.explain.diagnosis import Setup
+from torchdoctor.numerics.explain.diagnosis_types import Setup
 from torchdoctor.numerics.record.watched import describe, human_count
 
 

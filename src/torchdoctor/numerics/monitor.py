@@ -276,7 +276,7 @@ class NumericsMonitor:
         self.max_consecutive_overflows = max_consecutive_overflows
         self.stream = stream
         self._hf = _hf
-        self._via = _via  # how the user attached it: the form of the options the advice names (diagnosis.Setup)
+        self._via = _via  # how the user attached it: the form of the options the advice names (diagnosis_types.Setup)
         self.rank = rank if world > 1 else None
         self._world = world
         sync = (world > 1) if sync_ranks is None else (sync_ranks and world > 1)

@@ -29,6 +29,7 @@ from .inside import status
 POLL_S = 0.25
 CPU_EVERY_S = 1.0  # how often a rank's CPU time (its process tree's) is read
 LATE_BEATS, LATE_MIN_S = 4, 1.0  # a heartbeat older than this many periods (and at least this long) is late
+DUE_SLACK_S = 2 * POLL_S  # a heartbeat older than its period and this is due: what the rank does now is not known yet
 BUSY_SHARE = 0.1  # a rank outside collectives that used this share of a CPU since the last read is working
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 GRACE_S = 5.0  # from SIGTERM to SIGKILL when run ends the job
@@ -88,6 +89,15 @@ class Proc:
         if not isinstance(t, (int, float)) or not isinstance(period, (int, float)):
             return False
         return time.time() - t > max(LATE_BEATS * period, LATE_MIN_S)
+
+    def beat_due(self) -> bool:
+        """Is its next heartbeat due and not seen yet (older than its period, not yet late)? What its last one said --
+        "inside a collective" -- may be over: a verdict waits for the next one (or for it to be late)."""
+        beat = self.doc.get("beat") or {}
+        t, period = beat.get("t"), beat.get("period")
+        if not isinstance(t, (int, float)) or not isinstance(period, (int, float)):
+            return False
+        return time.time() - t > period + DUE_SLACK_S and not self.beat_late()
 
     def in_collective(self) -> bool:
         """In init or inside a collective: its CPU time is no sign of work (a device sync may spin)."""
@@ -250,7 +260,8 @@ class Watch:
         beat = p.doc.get("beat") or {}
         groups = beat.get("groups")
         where = None if groups else tuple(tuple(f) for f in (beat.get("stack") or [])[-3:])
-        return (bool(init.get("done")), bool(init.get("error")), "end" in p.doc,
+        # leaving a collective is progress, also where a host backend's recorder has not counted it completed yet
+        return (bool(init.get("done")), bool(init.get("error")), "end" in p.doc, bool(beat.get("in_collective")),
                 tuple(sorted((k, v[0], v[2]) for k, v in (groups or {}).items())), where)
 
     # -- deciding
@@ -296,6 +307,8 @@ class Watch:
         live = [p for p in self.procs.values() if not p.ended]
         if not live or not any(p.in_wait() or p.state in ("stopped", "traced") for p in live):
             return None
+        if any(p.state == "running" and p.beat_due() for p in live):
+            return None  # (judged on what each running rank said of itself a period ago at most)
         idle = min(now - p.changed for p in live)
         if any(not (p.doc.get("init") or {}).get("done") for p in live):
             world = self._expected_world()

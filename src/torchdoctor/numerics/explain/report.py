@@ -196,7 +196,7 @@ def build_report(
 ) -> NonFiniteReport | None:
     """The report for the first non-finite value in ``frames[start:]`` (None when all are finite);
     the frames before ``start`` (earlier, already checked steps) are shown as context only.
-    ``setup``: what the advice may assume beyond the frames (:class:`~.diagnosis.Setup`: the optimizer given, the
+    ``setup``: what the advice may assume beyond the frames (:class:`~.diagnosis_types.Setup`: the optimizer given, the
     step checked before its update, the modules kept in fp32)."""
     setup = setup or Setup()
     found = find_first_bad(frames, start, judge_inputs, judge_params)
@@ -243,5 +243,5 @@ def _cited(evidence: tuple[Evidence, ...], shown: list[ResolvedFrame]) -> list[R
 def fix_keep_fp32(region: str | None, kept: tuple[str, ...] = ()) -> str | None:
     """The one-line fix for a region that should run in fp32 (None when there is none). ``kept``: the modules a
     keep_fp32 guard keeps in fp32 now; the fix adds the region to them, and says so
-    (:func:`.diagnosis.keep_fp32_fix`)."""
+    (:func:`.diagnosis_types.keep_fp32_fix`)."""
     return None if region is None else keep_fp32_fix(region, kept)

@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..explain import causes
-from ..explain.diagnosis import Setup, keep_fp32_fixes
+from ..explain.diagnosis_types import Setup, keep_fp32_fixes
 from ..explain.invalid_ops import repair
 from ..explain.ranges import dtype_name
 from ..explain.report import NonFiniteReport

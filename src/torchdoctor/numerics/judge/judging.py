@@ -23,7 +23,7 @@ from ..engines.scalers import OverflowEvent
 from ..engines.wrappers import clean_name
 from ..explain import causes
 from ..explain.causes import narrow_range
-from ..explain.diagnosis import Setup
+from ..explain.diagnosis_types import Setup
 from ..explain.render import who
 from ..explain.report import FirstNonFinite, NonFiniteReport, build_report, find_first_bad
 from ..measure.stats import all_finite, finite_flags_of

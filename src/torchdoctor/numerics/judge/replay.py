@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ...units import human_bytes
 from ..explain import causes
 from ..explain.consumers import backward_consumer
-from ..explain.diagnosis import Setup
+from ..explain.diagnosis_types import Setup
 from ..explain.report import NonFiniteReport, build_report
 from ..measure.buffers import saved_buffers
 from ..measure.slots import output_slots

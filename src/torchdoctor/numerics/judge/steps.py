@@ -25,7 +25,7 @@ import torch
 from ..engines import MonitorWarning
 from ..engines.hookset import HookSet
 from ..errors import AbortAfterStep, NonFiniteError
-from ..explain.diagnosis import Setup
+from ..explain.diagnosis_types import Setup
 from ..explain.report import NonFiniteReport, build_report
 from ..explain.trace import TraceWriter
 from ..measure.buffers import BufferGuard
@@ -161,9 +161,9 @@ class Steps:
         return not self.manual or self.updated_in != self.index
 
     def setup(self) -> Setup:
-        """What a report's advice may assume beyond its frames (:class:`~..explain.diagnosis.Setup`): also what the
-        monitor saw of the step under way -- its forward (a call of the model, or of a module the loop calls, was
-        recorded) and the autocast that call ran under. Report time only."""
+        """What a report's advice may assume beyond its frames (:class:`~..explain.diagnosis_types.Setup`): also
+        what the monitor saw of the step under way -- its forward (a call of the model, or of a module the loop calls,
+        was recorded) and the autocast that call ran under. Report time only."""
         before = self.checked_before_update()
         rec = self.recorder.rec
         calls = rec.root_calls
