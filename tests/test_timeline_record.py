@@ -60,6 +60,11 @@ def test_every_nth_step_and_one_read_per_flush(tmp_path):
         assert mon.step_index == 9
     [r] = read_run(str(tmp_path / "run"))
     assert r.steps.tolist() == [0, 3, 6]
+    # the attach line says what a recorded step is watched at, not only the level of the others
+    assert mon.watching.endswith("watch=boundaries, recording every 3 steps (watched at every module)"), mon.watching
+    assert r.settings["watching"] == mon.watching
+    with NumericsMonitor(model, opt) as plain:
+        assert "recording" not in plain.watching
 
 
 def test_a_run_that_goes_non_finite_is_on_disk_before_the_error(tmp_path):

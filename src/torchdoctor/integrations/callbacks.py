@@ -39,6 +39,7 @@ def attach_monitor(model: Any, optimizer: Any, scaler: Any, *, report_dir: str, 
     # what it runs inside (accelerate's DDP where FSDP was asked for, Lightning's strategy): said in the report
     # (a search of the process's modules: made when a report or the switch's announcement first needs it)
     optimizer, grads, level, every = monitor.optimizer, monitor.grads, monitor.watch_level, monitor.headroom_every
-    monitor.watching = lambda: describe(outermost_wrapper(model), optimizer, grads, level, every)
+    recorded = monitor.record_every
+    monitor.watching = lambda: describe(outermost_wrapper(model), optimizer, grads, level, every, recorded)
     monitor.warnings = warnings
     return monitor

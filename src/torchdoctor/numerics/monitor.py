@@ -313,7 +313,7 @@ class NumericsMonitor:
         except BaseException:
             self.close()  # a refused or failed attach leaves no hook behind
             raise
-        reporter.watching = watched.describe(grads, self.watch_level, self.headroom_every)
+        reporter.watching = watched.describe(grads, self.watch_level, self.headroom_every, self.record_every)
         if timeline is not None:
             timeline.writer.update_settings(watching=reporter.watching)
 
@@ -421,6 +421,12 @@ class NumericsMonitor:
     def headroom_every(self) -> int | None:
         """Steps between two headroom measurements; None without ``headroom=True``."""
         return None if self._headroom is None else self._headroom.every
+
+    @property
+    def record_every(self) -> int | None:
+        """Steps between two recorded ones; None without ``record=``."""
+        timeline = self._steps.timeline
+        return None if timeline is None else timeline.every
 
     @property
     def watch_level(self) -> str:

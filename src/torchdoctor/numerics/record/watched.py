@@ -105,20 +105,23 @@ def outermost_wrapper(model: nn.Module) -> nn.Module:
 
 
 def describe(model: nn.Module, optimizer: Any, grads: str, watch: str | None = None,
-             headroom_every: int | None = None) -> str:
+             headroom_every: int | None = None, record_every: int | None = None) -> str:
     """``GPT2LMHeadModel (124M params) with AdamW, DDP, grads=params, watch=boundaries`` for ``model`` as given to the
-    monitor (``watch``: the level its steps are watched at, when known; ``headroom_every``: headroom=True)."""
+    monitor (``watch``: the level its steps are watched at, when known; ``headroom_every``: headroom=True;
+    ``record_every``: a recorded timeline's period, whose steps are watched at every module whatever ``watch`` says)."""
     chain = wrapper_chain(model)
-    return _described(chain, user_class_name(chain[-1]), optimizer, grads, watch, headroom_every)
+    return _described(chain, user_class_name(chain[-1]), optimizer, grads, watch, headroom_every, record_every)
 
 
 def _described(chain: list[nn.Module], root_class: str, optimizer: Any, grads: str, watch: str | None,
-               headroom_every: int | None) -> str:
+               headroom_every: int | None, record_every: int | None = None) -> str:
     root = chain[-1]
     parts = [f"{root_class} ({human_count(parameter_count(root))} params)"]
     with_ = [type(optimizer).__name__ if optimizer is not None else "no optimizer", *wrappers_of(chain, root_class)]
     return (f"{parts[0]} with {', '.join(with_)}, grads={grads}" + (f", watch={watch}" if watch else "")
-            + (f", headroom every {headroom_every} steps" if headroom_every else ""))
+            + (f", headroom every {headroom_every} steps" if headroom_every else "")
+            + (f", recording {'every step' if record_every == 1 else f'every {record_every} steps'} (watched at every "
+               "module)" if record_every else ""))
 
 
 class WatchedModel:
@@ -158,10 +161,12 @@ class WatchedModel:
         self.world = world
         self.sharded = seen.sharded
 
-    def describe(self, grads: str, watch: str | None = None, headroom_every: int | None = None) -> str:
+    def describe(self, grads: str, watch: str | None = None, headroom_every: int | None = None,
+                 record_every: int | None = None) -> str:
         """What is watched, in one line (:func:`describe`)."""
         seen = self._seen
-        return _described(seen.chain, seen.classes[id(seen.root)], self.optimizer, grads, watch, headroom_every)
+        return _described(seen.chain, seen.classes[id(seen.root)], self.optimizer, grads, watch, headroom_every,
+                          record_every)
 
     def kept_in_fp32(self) -> tuple[str, ...]:
         """The modules a ``keep_fp32`` guard keeps in fp32 now (what a report's advice must extend)."""
