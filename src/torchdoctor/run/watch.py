@@ -80,24 +80,26 @@ class Proc:
         """Waiting for the others: in init, in a collective, or with collectives of a host backend still pending."""
         return self.in_collective() or bool((self.doc.get("beat") or {}).get("pending"))
 
+    def _beat_age(self) -> tuple[float, float] | None:
+        """(seconds since its last heartbeat, the heartbeat's period), or None before its first."""
+        beat = self.doc.get("beat") or {}
+        t, period = beat.get("t"), beat.get("period")
+        if not isinstance(t, (int, float)) or not isinstance(period, (int, float)):
+            return None
+        return time.time() - t, period
+
     def beat_late(self) -> bool:
         """Is its heartbeat late? A thread that waits in a collective -- gloo's, a CUDA sync -- hands the GIL over, and
         the beat comes on time; a main thread that holds it (the rank's own Python code, computing) delays the beat,
         and what its last beat said ("inside a collective", from before) is old news."""
-        beat = self.doc.get("beat") or {}
-        t, period = beat.get("t"), beat.get("period")
-        if not isinstance(t, (int, float)) or not isinstance(period, (int, float)):
-            return False
-        return time.time() - t > max(LATE_BEATS * period, LATE_MIN_S)
+        seen = self._beat_age()
+        return seen is not None and seen[0] > max(LATE_BEATS * seen[1], LATE_MIN_S)
 
     def beat_due(self) -> bool:
         """Is its next heartbeat due and not seen yet (older than its period, not yet late)? What its last one said --
         "inside a collective" -- may be over: a verdict waits for the next one (or for it to be late)."""
-        beat = self.doc.get("beat") or {}
-        t, period = beat.get("t"), beat.get("period")
-        if not isinstance(t, (int, float)) or not isinstance(period, (int, float)):
-            return False
-        return time.time() - t > period + DUE_SLACK_S and not self.beat_late()
+        seen = self._beat_age()
+        return seen is not None and seen[0] > seen[1] + DUE_SLACK_S and not self.beat_late()
 
     def in_collective(self) -> bool:
         """In init or inside a collective: its CPU time is no sign of work (a device sync may spin)."""
