@@ -3,7 +3,8 @@
 ``python step0_worker.py KIND FAULT OUT_DIR [--api] [--fix]``. KIND: ``scaler`` (an fp16-autocast loop with a
 GradScaler, nanoGPT's recipe), ``plain`` (the same loop without a scaler), ``lightning`` (a LightningModule whose
 ``training_step`` calls its submodules, at ``precision="16-true"``), ``where`` (an fp32 loop with a masked
-normalisation), ``where-scaler`` (the same under fp16 autocast with a GradScaler). FAULT: ``overflow`` (a weight
+normalisation), ``where-scaler`` (the same under fp16 autocast with a GradScaler), ``where-loss16`` (its loss in
+fp16 inside the model), ``where-nested16`` (the same, the normalisation a submodule). FAULT: ``overflow`` (a weight
 scaled so that its fp16 output overflows from step 0), ``grad-overflow`` (a finite forward whose weight gradient
 overflows in its fp16 matmul), ``nan-batch`` (a nan in the first batch), ``invalid`` (``where*`` only: a
 ``torch.where`` whose unselected branch divides 0 by 0, so the forward is finite and the backward is nan), ``none``
@@ -73,6 +74,19 @@ class Masked(nn.Module):
         return out.pow(2).mean() if self.loss16 else out
 
 
+class Nested(nn.Module):
+    """:class:`Masked` inside a model that computes its loss in fp16 (``where-nested16``): the torch.where line is in
+    the forward of ``inner``, and the first bad value a GradScaler's step shows is the scaled loss gradient at the
+    model's output -- the fault is named where its line ran (``inner``), not where the scale overflowed."""
+
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        self.inner = Masked(fixed)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.inner(x, mask).pow(2).mean()
+
+
 def batches(fault: str, n: int = STEPS) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     out = [torch.randn(8, 16, generator=g) for _ in range(n)]
@@ -105,10 +119,13 @@ def keep(model: nn.Module, fix: str | None) -> None:
 
 def plain_loop(kind: str, fault: str, out_dir: str, api: bool, fix: str | None = None) -> dict:
     where = kind.startswith("where")
-    model = Masked(fixed="safe-where" in (fix or "").split(","), loss16=kind == "where-loss16") if where else Net(fault)
+    fixed = "safe-where" in (fix or "").split(",")
+    model = (Nested(fixed) if kind == "where-nested16" else Masked(fixed, loss16=kind == "where-loss16")) if where \
+        else Net(fault)
     keep(model, fix)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu") if kind in ("scaler", "where-scaler", "where-loss16") else None
+    scaler = torch.amp.GradScaler("cpu") if kind in ("scaler", "where-scaler", "where-loss16", "where-nested16") \
+        else None
     fp16 = kind != "where"
     dtype = torch.bfloat16 if "bf16" in (fix or "").split(",") else torch.float16
     mon = None
@@ -120,7 +137,7 @@ def plain_loop(kind: str, fault: str, out_dir: str, api: bool, fix: str | None =
     try:
         for step, (x, m) in enumerate(zip(batches(fault), masks(fault))):
             with torch.autocast("cpu", dtype=dtype, enabled=fp16):
-                if kind == "where-loss16":
+                if kind in ("where-loss16", "where-nested16"):
                     loss = model(x, m)
                 else:
                     loss = model(x, m).float().pow(2).mean() if where else model(x)[1]
@@ -189,7 +206,8 @@ def lightning_loop(fault: str, out_dir: str, api: bool, fix: str | None = None) 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=["scaler", "plain", "lightning", "where", "where-scaler", "where-loss16"])
+    ap.add_argument("kind", choices=["scaler", "plain", "lightning", "where", "where-scaler", "where-loss16",
+                                         "where-nested16"])
     ap.add_argument("fault", choices=["overflow", "grad-overflow", "nan-batch", "invalid", "none"])
     ap.add_argument("out_dir")
     ap.add_argument("--api", action="store_true")

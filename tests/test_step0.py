@@ -54,7 +54,7 @@ def applied(report, kept: str | None = None) -> str:
 def trained(kind: str) -> int:
     """The updates a healthy run of ``kind`` applies: every step, but the first under ``where-loss16``, whose fp16
     loss cannot hold a GradScaler's first scale (65536 > 65504): the scaler skips that step, as it should."""
-    return W.STEPS - 1 if kind == "where-loss16" else W.STEPS
+    return W.STEPS - 1 if kind in ("where-loss16", "where-nested16") else W.STEPS
 
 
 # (program, fault) -> (phase, module, cause, fix_check) of the first bad value at step 0
@@ -69,8 +69,11 @@ FAULTS = {
     # would be skipped -- it is named at once
     ("where-scaler", "invalid"): ("bwd", "", causes.INVALID_OP, "not checked"),
     # the same with the loss computed in fp16 inside the model: step 0's first bad value is the scaled loss gradient
-    # (65536 is inf in fp16), an overflow -- checked in fp32 from the scale itself, the nan behind it is named
+    # (65536 is inf in fp16), an overflow -- checked in fp32 from the scale itself, the nan behind it is named, and
+    # the headline is where that run's backward went bad: the division's backward, in the module whose forward ran it
     ("where-loss16", "invalid"): ("bwd", "", causes.INVALID_OP, "not checked"),
+    # ... with the torch.where in a submodule's forward: named there, not at the model's output where the scale was
+    ("where-nested16", "invalid"): ("bwd", "inner", causes.INVALID_OP, "not checked"),
     ("lightning", "overflow"): ("fwd", "body.0", None, "fixed"),
     ("lightning", "nan-batch"): ("fwd", "encoder.0", causes.BAD_INPUT, "not checked"),
 }
@@ -107,6 +110,19 @@ def test_a_nan_only_in_the_backward_is_an_invalid_op_named_with_its_line_not_an_
     assert "step0_worker.py:" in report.diagnosis and "torch.where(count > 0" in report.diagnosis
     assert "safe denominator" in report.fix and "keep_fp32" not in report.fix and "bf16" not in report.fix
     assert not re.search(r"gradient overflow|GradScaler", report.diagnosis)
+    assert "in the forward of Masked (the model)" in report.diagnosis  # the module whose forward ran the line
+
+
+def test_behind_a_scale_that_overflowed_the_headline_is_where_the_fp32_run_went_bad(tmp_path):
+    """The scaled step's first bad value was the loss gradient (the scale, inf in fp16) at the model's output; the
+    headline says where the step run again in fp32 at scale 1 made its first nan, and says that it was that run."""
+    _, report = run_api("where-nested16", "invalid", tmp_path)
+    first = report.first
+    assert (first.module, first.cls, first.value) == ("inner", "Masked", "nan")
+    assert first.slot == "DivBackward0 (the step run again in fp32 at scale 1)", first.slot
+    assert "in the forward of inner (Masked)" in report.diagnosis
+    assert "Nested (the model) grad_output" in report.diagnosis  # what the scaled step showed is still said
+    assert report.text().splitlines()[0].startswith("Detected nan at step 0 (backward) in inner (Masked)")
 
 
 def test_adam_on_fp16_weights_is_named_by_its_eps(tmp_path):
@@ -178,7 +194,7 @@ def test_a_scaler_that_skips_every_step_is_a_finding_of_its_own(tmp_path):
     assert saved["fix_check"] == "not checked"
 
 
-@pytest.mark.parametrize("kind", ["scaler", "plain", "lightning", "where", "where-loss16"])
+@pytest.mark.parametrize("kind", ["scaler", "plain", "lightning", "where", "where-loss16", "where-nested16"])
 def test_the_healthy_twins_are_silent(tmp_path, kind, recwarn):
     got, report = run_api(kind, "none", tmp_path)
     assert report is None and got["ended"] == "normally"

@@ -24,25 +24,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-import os
 import re
-import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..explain import causes
 from ..explain.diagnosis_types import Setup, keep_fp32_fixes
 from ..explain.invalid_ops import repair
 from ..explain.ranges import dtype_name
-from ..explain.report import NonFiniteReport
+from ..explain.render import who
+from ..explain.report import FirstNonFinite, NonFiniteReport
 from ..fp32 import keep_fp32
 from ..record.calls import RootCall
+from ..record.frames import BWD, FWD
 from ..record.watched import WatchedModel
+from .invalid_finder import FirstInvalidOp
 from .replay import Replayer
 
 FIXED, NOT_FIXED, NOT_CHECKED = "fixed", "not fixed", "not checked"
@@ -68,9 +67,6 @@ _NOT_CHECKABLE = {
     causes.UNKNOWN_GRADIENT: "which gradient went bad is unknown",
     causes.UNLOCALIZED: "the step could not be replayed",
 }
-_OURS = (os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-         os.path.dirname(os.path.abspath(torch.__file__)))
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>.*)$', re.M)
 
 
 @dataclass
@@ -179,6 +175,22 @@ class FixChecker:
         report.notes.append(f"A loss scaler was about to skip this step as an overflow: run again in fp32{at}, it made "
                             "a nan all the same, so it would come back at every scale and every step be skipped.")
         if narrow_seed is not None:
+            # the step's first non-finite value was the scale's: the headline is where the fp32 run's values went
+            # bad -- in its backward (this step's forward was finite: a nan its forward made was masked there)
+            seen = found.get("in_backward") or found
+            if seen.get("module") is not None:
+                report.first = FirstNonFinite(report.step, BWD if seen["phase"] == "backward" else FWD,
+                                              seen["module"], self._class_of(seen["module"]),
+                                              f"{seen['op']} (the step run again in fp32 at scale 1)",
+                                              "nan" if seen["nan"] else "inf")
+                first_module = found.get("module")
+                if seen is not found and first_module not in (None, seen["module"]):
+                    same = " (the same line)" if seen.get("where") == found.get("where") else ""
+                    made, then = who(first_module, self._class_of(first_module)), who(seen["module"],
+                                                                                     self._class_of(seen["module"]))
+                    report.notes.append(f"In that run the first nan was made in the forward of {made}, and this step's "
+                                        f"outputs were finite; its first non-finite gradient came from {seen['op']} "
+                                        f"in {then}{same}.")
             beyond = (f": the loss is {dtype_name(narrow_seed)} and the loss scale ({scale:g}) is beyond its largest "
                       f"value ({torch.finfo(narrow_seed).max:.5g})" if scale > torch.finfo(narrow_seed).max else "")
             report.notes.append(f"The gradient the model's output (a loss) received was already non-finite{beyond}; "
@@ -186,6 +198,9 @@ class FixChecker:
             report.replay_reason = ("the gradient reaching the model's output was already non-finite, so the step was "
                                     "not run again as it ran; it was run in fp32 at scale 1, above")
         return "invalid"
+
+    def _class_of(self, name: str) -> str:
+        return next((type(m).__name__ for n, m in self.watched.modules if n == name), "")
 
     # ------------------------------------------------------------------ what is tried
     def _tries(self, report: NonFiniteReport, setup: Setup, call: RootCall, frames: list) -> list[_Try]:
@@ -272,18 +287,21 @@ class FixChecker:
         in the forward; an inf or a nan in the backward, where a derivative is infinite at 0 before a product with 0
         makes the nan), with the user's line: autograd's anomaly mode records the forward line of each backward
         node, and an op-by-op check names the node running when it happened."""
-        finder = _FirstNonFinite()
+        finder = FirstInvalidOp({id(m): name for name, m in self.watched.modules})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (anomaly mode says it is on)
             with contextlib.suppress(Exception):
                 self.replayer.replay_call(call, backward, variant=finder.watching(),
                                           autocast=() if call.autocast else None)
-        return finder.found
+        return None if finder.found is None else dict(finder.found, in_backward=finder.in_backward)
 
     def _invalid(self, report: NonFiniteReport, found: dict[str, Any], backward: bool) -> None:  # noqa: ARG002
         where = found.get("where")
         what, why, fix = repair(found["op"], found["phase"], where["code"] if where else None)
         line = f" at {where['file']}:{where['line']} ({where['code']})" if where else ""
+        module = found.get("module")
+        if module is not None:  # the watched module whose forward ran that line
+            line += f", in the forward of {who(module, self._class_of(module))}"
         in_backward = found["phase"] == "backward"
         kind = "its derivative has no finite value in the backward" if in_backward else "it makes nan in the forward"
         text = (f"an invalid operation: {what}{line} -- {kind} because {why}. The step was run again in fp32 and "
@@ -418,16 +436,6 @@ def _kept_for_replay(modules: list, root: Any) -> Any:
         guard.remove()
 
 
-def _user_frame(trace: str) -> dict[str, Any] | None:
-    """The innermost frame of a forward traceback (anomaly mode's) that is the user's code, not torch's or ours."""
-    frames = [m.groupdict() for m in _FRAME.finditer(trace)]
-    for f in reversed(frames):
-        path = os.path.abspath(f["file"])
-        if not path.startswith(_OURS):
-            return {"file": f["file"], "line": int(f["line"]), "code": f["code"].strip()}
-    return None
-
-
 def _unscaled(call: RootCall, scale: float | None) -> RootCall | None:
     """``call`` with the gradients its outputs received divided by the loss ``scale``, in fp32 -- what they are at
     scale 1. A loss's own gradient that the narrow dtype could not hold (the scale itself, 65536 > fp16's 65504) is 1.
@@ -443,57 +451,6 @@ def _unscaled(call: RootCall, scale: float | None) -> RootCall | None:
         else:
             return None
     return dataclasses.replace(call, output_grads=seeds)
-
-
-class _FirstNonFinite(TorchDispatchMode):
-    """The first op of a replay that makes a non-finite value from inputs that were all finite: in the forward a nan
-    (an inf there is an overflow, not an invalid op), in the backward an inf or a nan, with the backward node running
-    it and the forward line that made that node (anomaly mode's record)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.found: dict[str, Any] | None = None
-
-    @contextlib.contextmanager
-    def watching(self) -> Any:
-        with torch.autograd.set_detect_anomaly(True, check_nan=False), self:
-            yield
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
-        out = func(*args, **(kwargs or {}))
-        if self.found is not None:
-            return out
-        node = torch._C._current_autograd_node()
-        bad = _has_nan(out) or (node is not None and _has_inf(out))
-        if bad and not any(_has_nan(a) or _has_inf(a) for a in (*args, *(kwargs or {}).values())):
-            if node is not None:
-                trace = "".join(node.metadata.get("traceback_") or ())
-                self.found = {"op": node.name(), "where": _user_frame(trace), "phase": "backward",
-                              "nan": _has_nan(out)}
-            else:
-                self.found = {"op": str(func), "where": _user_frame("".join(traceback.format_stack())),
-                              "phase": "forward", "nan": True}
-        return out
-
-
-def _has_nan(x: Any) -> bool:
-    return _has(x, math.isnan, torch.isnan)
-
-
-def _has_inf(x: Any) -> bool:
-    return _has(x, math.isinf, torch.isinf)
-
-
-def _has(x: Any, number: Any, tensor: Any) -> bool:
-    """Does ``x`` -- a tensor, a Python number an op is given (``x * float("inf")``), a list or tuple of them -- hold a
-    value ``number`` / ``tensor`` says yes to?"""
-    if isinstance(x, float):
-        return number(x)
-    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) and x.numel():
-        return bool(tensor(x).any())
-    if isinstance(x, (list, tuple)):
-        return any(_has(v, number, tensor) for v in x)
-    return False
 
 
 __all__ = ["FIXED", "NOT_CHECKED", "NOT_FIXED", "FixChecker"]
