@@ -125,9 +125,11 @@ def test_behind_a_scale_that_overflowed_the_headline_is_where_the_fp32_run_went_
     assert report.text().splitlines()[0].startswith("Detected nan at step 0 (backward) in inner (Masked)")
 
 
-def test_adam_on_fp16_weights_is_named_by_its_eps(tmp_path):
+def test_adam_on_fp16_weights_is_stopped_before_its_first_update_and_the_eps_fix_is_checked(tmp_path):
     """Lightning's 16-true with the default AdamW eps (1e-8 is 0 in fp16): the first update makes a weight nan from
-    finite gradients -- said as the optimizer's own arithmetic, seen on it, not "check the checkpoint"."""
+    finite gradients. The update is tried on a copy before it is applied: the run stops at step 0 with the weights
+    untouched, the cause said as the optimizer's own arithmetic (not "check the checkpoint"), and the eps fix tried
+    the same way before it is printed."""
     import lightning as L
 
     class Lit(L.LightningModule):
@@ -147,16 +149,20 @@ def test_adam_on_fp16_weights_is_named_by_its_eps(tmp_path):
     trainer = L.Trainer(max_epochs=1, precision="16-true", accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[NumericsCallback(report_dir=tmp_path)])
+    lit = Lit()
     with pytest.raises(NonFiniteError) as e, pytest.warns(MonitorWarning, match=r"eps=1e-08 is 0 in float16.*"
-                                                                r"cannot be stopped before it is applied"):
-        trainer.fit(Lit(), torch.utils.data.DataLoader(data, batch_size=8))
+                                                                r"tried on a copy before it is applied"):
+        trainer.fit(lit, torch.utils.data.DataLoader(data, batch_size=8))
     d = e.value.details
-    assert d.cause == causes.BAD_WEIGHT and d.step == 1
+    assert d.cause == causes.OPTIMIZER_UPDATE and d.step == 0 and d.first.phase == "update"
+    assert d.text().splitlines()[0].startswith(f"Detected nan at step 0 (update) in {d.first.module} (")
     assert "AdamW's eps=1e-08 is 0 in float16" in d.diagnosis and "checkpoint" not in d.fix
-    assert "16-mixed" in d.fix and "eps=1e-4" in d.fix
-    # the fix is the optimizer's or the weights' dtype: a replay of the step cannot try it, and says why
-    assert d.fix_check == "not checked" and "optimizer's own update" in d.fix_check_reason
-    assert "checkpoint" not in d.fix_check_reason
+    assert "The update was not applied" in d.diagnosis
+    assert all(bool(torch.isfinite(p).all()) for p in lit.parameters())  # ... and it was not
+    assert "16-mixed" in d.fix and "eps=0.0001" in d.fix
+    assert d.fix_check == "fixed" and "eps=0.0001, is finite" in d.fix_check_reason
+    saved = json.loads((tmp_path / "torchdoctor-nonfinite-rank0.json").read_text())
+    assert saved["first"]["phase"] == "update" and saved["cause"] == causes.OPTIMIZER_UPDATE
 
 
 def test_a_weight_gradient_overflow_is_not_blamed_on_the_loss(tmp_path):

@@ -257,9 +257,11 @@ class NumericsMonitor:
         for text in watched.engine.warnings:
             warnings.warn("torchdoctor: " + text, MonitorWarning, stacklevel=2)
         eps = narrow_optimizer(watched.optimizer)
-        if eps is not None:  # (an update from finite gradients: no check before the update can stop it)
-            warnings.warn(f"torchdoctor: {eps}. The monitor checks each step before its update, and such an update "
-                          "comes from finite gradients: it cannot be stopped before it is applied. Give the optimizer "
+        if eps is not None:  # (an update from finite gradients: no check of the step's values can stop it)
+            how = ("each update is tried on a copy before it is applied (a copy of the weights, their gradients and "
+                   "the optimizer's state per step), and one that makes a weight non-finite is stopped" if world <= 1
+                   else "with several ranks it cannot be stopped before it is applied")
+            warnings.warn(f"torchdoctor: {eps}. Such an update comes from finite gradients: {how}. Give the optimizer "
                           "an eps fp16 holds (eps=1e-4), keep the weights in fp32 and compute in fp16 under autocast "
                           "(Lightning: precision='16-mixed'), or train in bf16", MonitorWarning, stacklevel=2)
         self.model = watched.root

@@ -30,7 +30,7 @@ _FILE_RANK = re.compile(r"torchdoctor-nonfinite-rank(\d+)\.json$")
 _PREFIX = r"^(?:\[(?:rank|default)(?P<trank>\d+)\]:[ ]?)?(?:\[rank(?P<rank>\d+)\] )?"
 DETECTED_RE = re.compile(
     _PREFIX + r"Detected (?P<value>-?inf|nan|a non-finite value) at step (?P<step>\d+)"
-    r"(?: \((?P<phase>forward|backward)\) in (?P<who>.+?))?(?:, slot (?P<slot>\S.*?))?\s*$")
+    r"(?: \((?P<phase>forward|backward|update)\) in (?P<who>.+?))?(?:, slot (?P<slot>\S.*?))?\s*$")
 _FOLLOW_RE = re.compile(_PREFIX + r"(?P<key>Diagnosis|Fix|Severity): (?P<text>.+?)\s*$")
 _WHO_RE = re.compile(r"^(?P<module>.*?) \((?P<cls>[^()]*)\)$")
 _FOLLOW_LINES = 4  # a Diagnosis/Fix line this close after a Detected line of the same rank belongs to it
@@ -44,7 +44,7 @@ class Detection:
 
     rank: int | None
     step: int
-    phase: str | None  # "forward" / "backward" (None: not said)
+    phase: str | None  # "forward" / "backward" / "update" (None: not said)
     module: str | None
     cls: str | None = None
     slot: str | None = None

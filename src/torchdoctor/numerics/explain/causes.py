@@ -53,9 +53,12 @@ TRANSIENT = "numerics.transient"
 # checked at its boundaries and not replayed (an input changed in place since, a collective in the forward): the
 # model's output went bad, which module made it is unknown
 UNLOCALIZED = "numerics.unlocalized"
+# the optimizer's update, tried on a copy before it was applied (an optimizer whose eps is 0 in its parameters'
+# dtype), makes weights non-finite from finite gradients: stopped before the update (judge/update_trial.py)
+OPTIMIZER_UPDATE = "numerics.optimizer_update"
 CAUSES = (
-    BAD_WEIGHT, BAD_INPUT, BETWEEN_MODULES, DIVERGENCE, LOSS_OUTSIDE_MODEL, MODEL_LOSS, LOW_PRECISION_OVERFLOW,
-    SQUARE_OVERFLOW,
+    BAD_WEIGHT, OPTIMIZER_UPDATE, BAD_INPUT, BETWEEN_MODULES, DIVERGENCE, LOSS_OUTSIDE_MODEL, MODEL_LOSS,
+    LOW_PRECISION_OVERFLOW, SQUARE_OVERFLOW,
     INVALID_OP, RANGE_OVERFLOW, BACKWARD_OVERFLOW, BACKWARD_NONFINITE, MARKED_VALUE, BOUNDARY_OVERFLOW,
     NONFINITE_LOSS, OTHER_RANK, UNKNOWN_GRADIENT, SCALE_COLLAPSE, SCALER_NEVER_STEPPED, TRANSIENT, UNLOCALIZED,
 )

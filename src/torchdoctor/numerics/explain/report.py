@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...jsonfile import dumps
-from ..record.frames import BWD, Line, ResolvedFrame
+from ..record.frames import BWD, UPDATE, Line, ResolvedFrame
 from .consumers import code_between, consumer_of
 from .diagnosis import HEADROOM_FACTOR, Evidence, Setup, common_region, diagnose, keep_fp32_fix
 from .render import format_frames, who
@@ -38,6 +38,9 @@ class FirstNonFinite:
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("step", "phase", "module", "cls", "slot", "value")}
+
+
+_PHASE_WORDS = {BWD: "backward", UPDATE: "update"}
 
 
 @dataclass
@@ -83,7 +86,7 @@ class NonFiniteReport:
         if self.first is not None:
             f = self.first
             out.append(
-                f"Detected {f.value} at step {f.step} ({'backward' if f.phase == BWD else 'forward'}) "
+                f"Detected {f.value} at step {f.step} ({_PHASE_WORDS.get(f.phase, 'forward')}) "
                 f"in {who(f.module, f.cls)}, slot {f.slot}"
             )
         elif self.bad_ranks:
@@ -96,7 +99,7 @@ class NonFiniteReport:
         out.append(f"Diagnosis: {self.diagnosis}")
         if self.fix:
             out.append(f"Fix: {self.fix}")
-        if self.first is not None:
+        if self.first is not None and self.frames:
             out.append(f"Last {len(self.frames)} frames, in execution order:")
             out.extend(format_frames(self.frames, self.marker))
         if self.cited:

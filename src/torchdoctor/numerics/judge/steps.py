@@ -24,6 +24,7 @@ import torch
 
 from ..engines import MonitorWarning
 from ..engines.hookset import HookSet
+from ..engines.wrappers import clean_name
 from ..errors import AbortAfterStep, NonFiniteError
 from ..explain.diagnosis_types import Setup
 from ..explain.report import NonFiniteReport, build_report
@@ -38,6 +39,7 @@ from .history import History, resolved
 from .judging import OVERFLOW, RAISE, SKIP, Judge, narrow_step
 from .replay import Replayer
 from .reporter import Reporter
+from .update_trial import smallest_eps, try_update, update_report
 
 if TYPE_CHECKING:
     from ..timeline.steps import Timeline
@@ -55,7 +57,7 @@ EXIT_NOTE = (
 def narrow_optimizer(optimizer: Any) -> str | None:
     """What the optimizer's own arithmetic cannot do in its parameters' dtype, as seen on it: an ``eps`` that rounds
     to 0 in fp16 (Adam's default 1e-8, below fp16's smallest subnormal) in a group of fp16 parameters, so that where
-    a gradient and its running averages are 0 the update is 0/0."""
+    a gradient's running average of squares is 0 the update divides by 0."""
     for group in getattr(optimizer, "param_groups", None) or ():
         eps = group.get("eps")
         if not isinstance(eps, float) or eps <= 0:
@@ -63,7 +65,8 @@ def narrow_optimizer(optimizer: Any) -> str | None:
         if any(getattr(p, "dtype", None) == torch.float16 for p in group.get("params", ())) and \
                 torch.tensor(eps, dtype=torch.float16).item() == 0.0:
             return (f"{type(optimizer).__name__}'s eps={eps:g} is 0 in float16, the dtype of its parameters: where a "
-                    "gradient is 0, its update divides 0 by sqrt(0) + 0, which is nan")
+                    "gradient's running average of squares rounds to 0 in fp16 (a small gradient), its update "
+                    "divides by sqrt(0) + 0: inf, and nan where the gradient is 0 too")
     return None
 
 
@@ -122,6 +125,10 @@ class Steps:
         self.applied = 0  # steps checked in front of the optimizer and found finite: updates applied
         self.fix_checker = judge.fix_checker
         self._ended = False
+        # an optimizer whose arithmetic cannot work in its parameters' dtype: each update is tried on a copy first
+        # (one process only: ranks would have to agree on it)
+        self.optimizer_note = narrow_optimizer(self.optimizer)
+        self.try_updates = self.optimizer_note is not None and not check.sync_ranks
 
     def start(self) -> None:
         """Attached: the module buffers are kept as each step begins from now on."""
@@ -171,7 +178,7 @@ class Steps:
         autocast = calls[-1].autocast if calls else None
         return Setup(self.optimizer is not None, self.manual, before, before and not self.late_check,
                      self.watched.kept_in_fp32(), self.via, forward_seen=seen, autocast=autocast,
-                     scaler=self.scaler is not None, optimizer_note=narrow_optimizer(self.optimizer))
+                     scaler=self.scaler is not None, optimizer_note=self.optimizer_note)
 
     def observed(self, report: NonFiniteReport) -> dict[str, str]:
         """What the monitor saw of the bad step, for the report (its JSON carries it): each part of the step, and
@@ -224,6 +231,8 @@ class Steps:
                 return replaced
             self.close_step("optimizer", abort_check=False)
             self.optimizer_stepped = True  # scaler.update() of this step has nothing left to check
+            if self.try_updates:
+                self._try_update(self.index - 1)
         elif self.hooks.active and not self.recorder.rec.empty:
             self.updated_in = self.index
             self.late_check = True
@@ -231,11 +240,29 @@ class Steps:
             # weights
         return None
 
+    def _try_update(self, step: int) -> None:
+        """The update about to be applied, tried on a copy (:mod:`.update_trial`): raised before it is applied when
+        it makes a weight non-finite, with the fix (a larger eps) tried the same way."""
+        names = {id(p): clean_name(n) for n, p in self.watched.root.named_parameters()}
+        bad = try_update(self.optimizer, names)
+        if not bad:
+            return
+        dtypes = [p.dtype for g in self.optimizer.param_groups for p in g["params"] if p.is_floating_point()]
+        eps = smallest_eps(min(dtypes, key=lambda d: torch.finfo(d).bits)) if dtypes else 1e-4
+        fixed = try_update(self.optimizer, names, eps=eps) == []
+        classes = {name: type(m).__name__ for name, m in self.watched.modules}
+        report = update_report(step, bad, self.optimizer_note or "", classes, eps if fixed else None, eps,
+                               self.rank)
+        self.applied -= 1  # (counted as applied when its check passed: it was not)
+        self.raise_(report)
+
     def _check_closure(self, again: bool) -> None:
         """The closure of ``step(closure)`` returned (``again``: a later evaluation of the same step): check what
         it ran; the step number moves on only when ``step()`` returns."""
         self.close_step("optimizer", abort_check=False, advance=False)
         self.optimizer_stepped = True
+        if self.try_updates:  # (raised from inside the closure: step() never reaches its update)
+            self._try_update(self.index)
 
     def on_post_step(self, *_: Any, **__: Any) -> None:
         if self.hooks.active and not self.manual:

@@ -24,6 +24,7 @@ from ..measure.stats import ELSEWHERE, abs_min_max, has_inf, local_part, shard_s
 from ..measure.windows import StatBuffer, StatRef, lookup
 
 FWD, BWD, MARK = "fwd", "bwd", "mark"
+UPDATE = "update"  # (a report's first non-finite value made by the optimizer's update, tried on a copy)
 _LOSS_MODULE = torch.nn.modules.loss._Loss  # the base of torch's loss modules
 
 
