@@ -45,6 +45,7 @@ def test_a_plain_loops_update_that_would_make_nan_is_stopped_before_it_is_applie
     assert not opt.state  # the optimizer did not step: its state is as it was (empty)
     assert d.fix_check == "fixed" and "eps=0.0001" in d.fix
     assert [f.phase for f in d.frames] == ["update"] * len(d.frames)
+    assert d.observed["update"].startswith("tried on a copy") and d.observed["gradients"].startswith("finite")
     assert any(not ln.finite for ln in d.frames[0].lines) and d.frames[0].lines[0].finite  # nan after, finite grad
 
 

@@ -253,6 +253,9 @@ class Steps:
         classes = {name: type(m).__name__ for name, m in self.watched.modules}
         report = update_report(step, bad, self.optimizer_note or "", classes, eps if fixed else None, eps,
                                self.rank)
+        report.observed = {"gradients": "finite (the step's check, before the trial)",
+                           "update": "tried on a copy of the weights, their gradients and the optimizer's state, "
+                                     "before it was applied"}
         self.applied -= 1  # (counted as applied when its check passed: it was not)
         self.raise_(report)
 
