@@ -67,6 +67,30 @@ def test_every_nth_step_and_one_read_per_flush(tmp_path):
         assert "recording" not in plain.watching
 
 
+def test_two_models_recording_into_one_folder_are_refused_and_a_replacing_monitor_takes_it_over(tmp_path):
+    """Two monitors of one process (a generator and a discriminator) would mix their columns in one rank folder: the
+    second is refused in one line, before it attaches anything. A monitor that replaces an earlier one on the same
+    model (the earlier one has reported) takes the folder over; once a monitor is closed, its folder is free."""
+    a, b = W.Net("none"), W.Net("none")
+    opt_a = torch.optim.SGD(a.parameters(), lr=1e-3)
+    opt_b = torch.optim.SGD(b.parameters(), lr=1e-3)
+    first = NumericsMonitor(a, opt_a, record=tmp_path / "run")
+    with pytest.raises(ValueError, match=r"being recorded by another monitor in this process; give each monitor "
+                                         r"a folder of its own"):
+        NumericsMonitor(b, opt_b, record=tmp_path / "run")
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in b.modules())  # (refused before attaching)
+    with NumericsMonitor(b, opt_b, record=tmp_path / "other"):
+        pass
+    with pytest.raises(NonFiniteError):  # it reports (a nan batch): a new monitor on the same model replaces it
+        a(W.batches("nan-batch", 1)[0])[1].backward()
+        opt_a.step()
+    with NumericsMonitor(a, opt_a, record=tmp_path / "run") as second:
+        assert first._closed and not second._closed
+    train(b, opt_b, W.batches("none", 2), record=tmp_path / "run")  # closed: free again
+    [r] = read_run(str(tmp_path / "run"))
+    assert r.steps.tolist() == [0, 0, 1]  # a's stopped step 0, then b's two (a later recording appends its chunks)
+
+
 def test_a_run_that_goes_non_finite_is_on_disk_before_the_error(tmp_path):
     model = W.Net("none")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

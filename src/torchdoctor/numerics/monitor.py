@@ -295,6 +295,7 @@ class NumericsMonitor:
                       max_frames=self.max_frames,
                       rank=self.rank, hf=_hf, transient=transient, auto_localize=auto_localize,
                       min_loss_scale=min_loss_scale, max_consecutive_overflows=max_consecutive_overflows)
+        self._replace_earlier(watched.modules)  # (before a recording opens a folder an earlier monitor may hold)
         timeline = None
         if record is not None:
             timeline = Timeline(TimelineWriter(os.fspath(record), self.rank, {
@@ -320,13 +321,16 @@ class NumericsMonitor:
             timeline.writer.update_settings(watching=reporter.watching)
 
     # ------------------------------------------------------------------ lifecycle
-    def _attach(self) -> None:
-        watched, recorder, steps, hooks = self._watched, self._recorder, self._steps, self._hooks
-        modules = watched.modules
+    def _replace_earlier(self, modules: list) -> None:
+        """Close the earlier monitors of this model that this one replaces (:meth:`_replaceable_by`)."""
         for old in {id(o): o for _, m in modules if (o := _WATCHED.get(m)) is not None}.values():
             if old._replaceable_by(self):
                 log.info("torchdoctor: a new monitor on this model replaces the previous one")
                 old.close()
+
+    def _attach(self) -> None:
+        watched, recorder, steps, hooks = self._watched, self._recorder, self._steps, self._hooks
+        modules = watched.modules
         taken = [name or "<root>" for name, m in modules if m in _WATCHED]
         if taken:
             raise RuntimeError(

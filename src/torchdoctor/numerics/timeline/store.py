@@ -36,6 +36,7 @@ import ctypes
 import json
 import os
 import struct
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +89,11 @@ def read_npy(path: str) -> torch.Tensor:
     return torch.frombuffer(body, dtype=dtype).reshape(shape) if body else torch.empty(shape, dtype=dtype)
 
 
+#: the rank folders being recorded in this process, by real path: one writer each (a writer no monitor keeps any
+#: more -- collected -- leaves by itself)
+_OPEN: weakref.WeakValueDictionary[str, TimelineWriter] = weakref.WeakValueDictionary()
+
+
 class TimelineWriter:
     """Appends recorded steps to ``run_dir/rank<r>/`` (see the module docstring): kept on the device, written every
     ``flush_every`` steps with one host read."""
@@ -96,7 +102,14 @@ class TimelineWriter:
         if rank is None:  # (no process group: a launcher's RANK keeps two processes out of each other's folder)
             rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
         self.dir = os.path.join(os.fspath(run_dir), f"rank{rank}")
+        key = os.path.realpath(self.dir)
+        if _OPEN.get(key) is not None:  # two monitors of one process (two models) would mix their columns
+            raise ValueError(f"record={os.fspath(run_dir)!r}: {self.dir} is being recorded by another monitor in this "
+                             f"process; give each monitor a folder of its own (e.g. record="
+                             f"{os.path.join(os.fspath(run_dir), '<model>')!r})")
         os.makedirs(self.dir, exist_ok=True)
+        _OPEN[key] = self
+        self._key = key
         self.flush_every = flush_every
         self.keys: list[Key] = []
         self._column: dict[Key, int] = {}
@@ -163,6 +176,8 @@ class TimelineWriter:
         write_npy(os.path.join(self.dir, f"steps-{name}.npy"), steps)
 
     def close(self, report: dict[str, Any] | None = None, text: str | None = None) -> None:
+        if _OPEN.get(self._key) is self:
+            del _OPEN[self._key]
         self.flush()
         if report is not None:
             self._write_json("report.json", report)
