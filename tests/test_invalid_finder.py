@@ -51,3 +51,43 @@ def test_a_node_made_from_finite_values_in_the_backward_is_found_there():
     found = finder.found
     assert (found["phase"], found["op"], found["nan"], found["module"]) == ("backward", "SqrtBackward0", False, None)
     assert finder.in_backward is found
+
+
+class _Sqrt(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = x.sqrt()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g / (2 * y)
+
+
+class _Custom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sqrt.apply(x)
+
+
+class _Cast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.to(torch.float32))  # (already fp32: the same tensor, the same node, comes back)
+
+
+def test_a_node_no_torch_function_made_is_not_claimed_by_the_next_module():
+    """A custom autograd.Function's node is made outside torch's functions: it stays untagged, and b's
+    ``x.to(float32)`` -- which hands the same tensor back -- does not claim it."""
+    model = nn.Sequential()
+    model.add_module("a", _Custom())
+    model.add_module("b", _Cast())
+    finder = FirstInvalidOp({id(m): name for name, m in model.named_modules()})
+    with finder.watching():
+        model(torch.zeros(2, 3, requires_grad=True)).sum().backward()  # sqrt(0): an infinite derivative
+    assert finder.in_backward is not None and finder.in_backward["op"] == "_SqrtBackward"
+    assert finder.in_backward["module"] is None

@@ -84,6 +84,8 @@ def test_two_models_recording_into_one_folder_are_refused_and_a_replacing_monito
     with pytest.raises(NonFiniteError):  # it reports (a nan batch): a new monitor on the same model replaces it
         a(W.batches("nan-batch", 1)[0])[1].backward()
         opt_a.step()
+    with pytest.raises(ValueError, match="being recorded by another monitor"):  # a's report left it open: still a's
+        NumericsMonitor(b, opt_b, record=tmp_path / "run")
     with NumericsMonitor(a, opt_a, record=tmp_path / "run") as second:
         assert first._closed and not second._closed
     train(b, opt_b, W.batches("none", 2), record=tmp_path / "run")  # closed: free again

@@ -78,3 +78,33 @@ def test_the_trial_leaves_the_original_alone_and_says_nothing_where_it_cannot_be
             pass
 
     assert try_update(Odd(model.parameters(), 1), names) is None
+
+
+def test_a_refused_update_keeps_its_step_number_and_puts_the_buffers_back(tmp_path):
+    """As any bad step of the optimizer's boundary: raised before the step ends, so the next try is the same step,
+    and the BatchNorm statistics its forward moved are put back (the report says so, and it is true)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1)).half()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    bn = model[1]
+    with pytest.warns(MonitorWarning):
+        mon = NumericsMonitor(model, opt, report_dir=tmp_path)
+    try:
+        mean = bn.running_mean.clone()
+        x = torch.randn(8, 16).half()
+        with pytest.raises(NonFiniteError) as e:
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+        assert e.value.details.step == 0 and mon.step_index == 0
+        assert torch.equal(bn.running_mean, mean)
+        assert any("put back as they were" in n for n in e.value.details.notes)
+    finally:
+        mon.close()
+
+
+def test_with_manual_steps_the_warning_says_the_update_cannot_be_stopped():
+    model = net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.warns(MonitorWarning, match="cannot be stopped before it is applied with steps that end at mon.step"):
+        mon = NumericsMonitor(model, opt, manual_steps=True)
+    mon.close()

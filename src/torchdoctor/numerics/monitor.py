@@ -256,14 +256,6 @@ class NumericsMonitor:
         self._watched = watched = WatchedModel(model, optimizer, scaler, world)
         for text in watched.engine.warnings:
             warnings.warn("torchdoctor: " + text, MonitorWarning, stacklevel=2)
-        eps = narrow_optimizer(watched.optimizer)
-        if eps is not None:  # (an update from finite gradients: no check of the step's values can stop it)
-            how = ("each update is tried on a copy before it is applied (a copy of the weights, their gradients and "
-                   "the optimizer's state per step), and one that makes a weight non-finite is stopped" if world <= 1
-                   else "with several ranks it cannot be stopped before it is applied")
-            warnings.warn(f"torchdoctor: {eps}. Such an update comes from finite gradients: {how}. Give the optimizer "
-                          "an eps fp16 holds (eps=1e-4), keep the weights in fp32 and compute in fp16 under autocast "
-                          "(Lightning: precision='16-mixed'), or train in bf16", MonitorWarning, stacklevel=2)
         self.model = watched.root
         self.optimizer = watched.optimizer
         self.scaler = watched.scaler.obj if watched.scaler is not None else None
@@ -282,6 +274,17 @@ class NumericsMonitor:
         self.rank = rank if world > 1 else None
         self._world = world
         sync = (world > 1) if sync_ranks is None else (sync_ranks and world > 1)
+        eps = narrow_optimizer(watched.optimizer)
+        if eps is not None:  # (an update from finite gradients: no check of the step's values can stop it)
+            tried = not sync and not manual_steps
+            how = ("each update is tried on a copy before it is applied (a copy of the weights, their gradients and "
+                   "the optimizer's state per step, where the step is checked in front of the optimizer, not at "
+                   "mon.step()), and one that makes a weight non-finite is stopped" if tried else
+                   "it cannot be stopped before it is applied " + ("with several ranks checked together" if sync else
+                                                                   "with steps that end at mon.step()"))
+            warnings.warn(f"torchdoctor: {eps}. Such an update comes from finite gradients: {how}. Give the optimizer "
+                          "an eps fp16 holds (eps=1e-4), keep the weights in fp32 and compute in fp16 under autocast "
+                          "(Lightning: precision='16-mixed'), or train in bf16", MonitorWarning, stacklevel=2)
         self._headroom = Headroom(operator.index(headroom_every)) if headroom else None
 
         self._hooks = hooks = HookSet()

@@ -38,11 +38,25 @@ class _ModuleTags(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         out = func(*args, **(kwargs or {}))
         if self.stack:
+            # only a node this call made: one an input already had (x.to(its own dtype), .contiguous() returning x,
+            # a custom autograd.Function's node, which no torch function saw) is not this module's to claim
+            given = {id(t.grad_fn) for t in _tensors((args, kwargs)) if t.grad_fn is not None}
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 node = t.grad_fn if isinstance(t, torch.Tensor) else None
-                if node is not None and _TAG not in node.metadata:
+                if node is not None and id(node) not in given and _TAG not in node.metadata:
                     node.metadata[_TAG] = self.stack[-1]
         return out
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments (nested in tuples, lists and dicts, as torch.cat's are)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
 
 
 class FirstInvalidOp(TorchDispatchMode):

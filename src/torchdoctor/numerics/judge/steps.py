@@ -231,8 +231,6 @@ class Steps:
                 return replaced
             self.close_step("optimizer", abort_check=False)
             self.optimizer_stepped = True  # scaler.update() of this step has nothing left to check
-            if self.try_updates:
-                self._try_update(self.index - 1)
         elif self.hooks.active and not self.recorder.rec.empty:
             self.updated_in = self.index
             self.late_check = True
@@ -247,8 +245,8 @@ class Steps:
         bad = try_update(self.optimizer, names)
         if not bad:
             return
-        dtypes = [p.dtype for g in self.optimizer.param_groups for p in g["params"] if p.is_floating_point()]
-        eps = smallest_eps(min(dtypes, key=lambda d: torch.finfo(d).bits)) if dtypes else 1e-4
+        dtypes = {p.dtype for g in self.optimizer.param_groups for p in g["params"] if p.is_floating_point()}
+        eps = max((smallest_eps(d) for d in dtypes), default=1e-4)  # (one every dtype holds: fp16's 1e-4)
         fixed = try_update(self.optimizer, names, eps=eps) == []
         classes = {name: type(m).__name__ for name, m in self.watched.modules}
         report = update_report(step, bad, self.optimizer_note or "", classes, eps if fixed else None, eps,
@@ -256,7 +254,6 @@ class Steps:
         report.observed = {"gradients": "finite (the step's check, before the trial)",
                            "update": "tried on a copy of the weights, their gradients and the optimizer's state, "
                                      "before it was applied"}
-        self.applied -= 1  # (counted as applied when its check passed: it was not)
         self.raise_(report)
 
     def _check_closure(self, again: bool) -> None:
@@ -264,8 +261,6 @@ class Steps:
         it ran; the step number moves on only when ``step()`` returns."""
         self.close_step("optimizer", abort_check=False, advance=False)
         self.optimizer_stepped = True
-        if self.try_updates:  # (raised from inside the closure: step() never reaches its update)
-            self._try_update(self.index)
 
     def on_post_step(self, *_: Any, **__: Any) -> None:
         if self.hooks.active and not self.manual:
@@ -364,6 +359,10 @@ class Steps:
             self.tracer.write_step(step, resolved([rec]))
         if self.timeline is not None:
             self.timeline.add(step, rec)  # (device ops; written every record_flush steps)
+        if ok and source == "optimizer" and self.try_updates:
+            # the update about to be applied, tried on a copy: raised here, as any bad step of this boundary is (the
+            # step keeps its number and its buffers are put back); from inside step(closure), Lightning's way, too
+            self._try_update(step)
         if ok:
             self.judge.healthy()
             self.history.growth.add(step, peaks)  # a few device ops, read only when a report is built

@@ -34,8 +34,7 @@ class Timeline:
         """Before a NonFiniteError is raised: the steps kept and the report (JSON and the text the monitor prints)
         are on disk; the recording stays open (the monitor closes it)."""
         if not self.closed:
-            self.writer.flush()
-            self.writer.close(report.to_json(), report.text())
+            self.writer.write_report(report.to_json(), report.text())
 
     def close(self, report: NonFiniteReport | None = None) -> None:
         if not self.closed:

@@ -176,8 +176,13 @@ class TimelineWriter:
         write_npy(os.path.join(self.dir, f"steps-{name}.npy"), steps)
 
     def close(self, report: dict[str, Any] | None = None, text: str | None = None) -> None:
+        """The last write (what is kept, the report where there is one); the folder is free for another monitor."""
         if _OPEN.get(self._key) is self:
             del _OPEN[self._key]
+        self.write_report(report, text)
+
+    def write_report(self, report: dict[str, Any] | None = None, text: str | None = None) -> None:
+        """What is kept so far, and the report (JSON, and the text the monitor printed) beside it; still open."""
         self.flush()
         if report is not None:
             self._write_json("report.json", report)
