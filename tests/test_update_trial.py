@@ -108,3 +108,19 @@ def test_with_manual_steps_the_warning_says_the_update_cannot_be_stopped():
     with pytest.warns(MonitorWarning, match="cannot be stopped before it is applied with steps that end at mon.step"):
         mon = NumericsMonitor(model, opt, manual_steps=True)
     mon.close()
+
+
+def test_an_optimizer_whose_update_cannot_be_tried_is_said_once_and_left_to_run():
+    class NeedsMore(torch.optim.Adam):  # (its constructor wants more than the groups a copy is built from)
+        def __init__(self, params, must):
+            super().__init__(params)
+            self.must = must
+
+    model = net()
+    opt = NeedsMore(model.parameters(), must=1)
+    with pytest.warns(MonitorWarning, match="tried on a copy before it is applied"):
+        mon = NumericsMonitor(model, opt)
+    with mon, pytest.warns(MonitorWarning, match="could not be tried on a copy") as caught:
+        steps(model, opt, 1)
+    assert sum("could not be tried" in str(w.message) for w in caught) == 1 and not mon._steps.try_updates
+    assert not all(bool(torch.isfinite(p).all()) for p in model.parameters())  # applied: what the warning said

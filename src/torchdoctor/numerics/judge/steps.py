@@ -243,6 +243,13 @@ class Steps:
         it makes a weight non-finite, with the fix (a larger eps) tried the same way."""
         names = {id(p): clean_name(n) for n, p in self.watched.root.named_parameters()}
         bad = try_update(self.optimizer, names)
+        if bad is None:  # (the attach warning said it would be tried: say it was not, once, and stop trying)
+            self.try_updates = False
+            warnings.warn(f"torchdoctor: {type(self.optimizer).__name__}'s update could not be tried on a copy (the "
+                          "same class could not be built on copies of its groups, or its step failed there): an update "
+                          "that makes a weight non-finite cannot be stopped before it is applied", MonitorWarning,
+                          stacklevel=2)
+            return
         if not bad:
             return
         dtypes = {p.dtype for g in self.optimizer.param_groups for p in g["params"] if p.is_floating_point()}
