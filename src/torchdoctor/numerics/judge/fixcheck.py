@@ -180,14 +180,14 @@ class FixChecker:
             seen = found.get("in_backward") or found
             if seen.get("module") is not None:
                 report.first = FirstNonFinite(report.step, BWD if seen["phase"] == "backward" else FWD,
-                                              seen["module"], self._class_of(seen["module"]),
+                                              seen["module"], self.watched.class_of(seen["module"]),
                                               f"{seen['op']} (the step run again in fp32 at scale 1)",
                                               "nan" if seen["nan"] else "inf")
                 first_module = found.get("module")
                 if seen is not found and first_module not in (None, seen["module"]):
                     same = " (the same line)" if seen.get("where") == found.get("where") else ""
-                    made, then = who(first_module, self._class_of(first_module)), who(seen["module"],
-                                                                                     self._class_of(seen["module"]))
+                    made, then = who(first_module, self.watched.class_of(first_module)), who(seen["module"],
+                                                                                     self.watched.class_of(seen["module"]))
                     report.notes.append(f"In that run the first nan was made in the forward of {made}, and this step's "
                                         f"outputs were finite; its first non-finite gradient came from {seen['op']} "
                                         f"in {then}{same}.")
@@ -198,9 +198,6 @@ class FixChecker:
             report.replay_reason = ("the gradient reaching the model's output was already non-finite, so the step was "
                                     "not run again as it ran; it was run in fp32 at scale 1, above")
         return "invalid"
-
-    def _class_of(self, name: str) -> str:
-        return next((type(m).__name__ for n, m in self.watched.modules if n == name), "")
 
     # ------------------------------------------------------------------ what is tried
     def _tries(self, report: NonFiniteReport, setup: Setup, call: RootCall, frames: list) -> list[_Try]:
@@ -301,7 +298,7 @@ class FixChecker:
         line = f" at {where['file']}:{where['line']} ({where['code']})" if where else ""
         module = found.get("module")
         if module is not None:  # the watched module whose forward ran that line
-            line += f", in the forward of {who(module, self._class_of(module))}"
+            line += f", in the forward of {who(module, self.watched.class_of(module))}"
         in_backward = found["phase"] == "backward"
         kind = "its derivative has no finite value in the backward" if in_backward else "it makes nan in the forward"
         text = (f"an invalid operation: {what}{line} -- {kind} because {why}. The step was run again in fp32 and "

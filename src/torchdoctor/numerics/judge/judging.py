@@ -293,7 +293,7 @@ class Judge:
             line = measure_now(name.rsplit(".", 1)[-1], p, param=True)
             if line.abs_max is not None and not math.isfinite(line.abs_max):
                 module_name = name.rpartition(".")[0]
-                cls = next((i.cls for i in self.watched.infos.values() if i.name == module_name), "?")
+                cls = self.watched.class_of(module_name)
                 value = "nan" if math.isnan(line.abs_max) else "inf"
                 first = FirstNonFinite(0, FWD, module_name, cls, line.label, value)
                 return NonFiniteReport(

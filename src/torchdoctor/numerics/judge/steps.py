@@ -255,9 +255,8 @@ class Steps:
         dtypes = {p.dtype for g in self.optimizer.param_groups for p in g["params"] if p.is_floating_point()}
         eps = max((smallest_eps(d) for d in dtypes), default=1e-4)  # (one every dtype holds: fp16's 1e-4)
         fixed = try_update(self.optimizer, names, eps=eps) == []
-        classes = {name: type(m).__name__ for name, m in self.watched.modules}
-        report = update_report(step, bad, self.optimizer_note or "", classes, eps if fixed else None, eps,
-                               self.rank)
+        report = update_report(step, bad, self.optimizer_note or "", self.watched.class_of, eps if fixed else None,
+                               eps, self.rank)
         report.observed = {"gradients": "finite (the step's check, before the trial)",
                            "update": "tried on a copy of the weights, their gradients and the optimizer's state, "
                                      "before it was applied"}

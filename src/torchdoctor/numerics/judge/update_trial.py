@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,15 +93,16 @@ def smallest_eps(dtype: torch.dtype) -> float:
     return 10.0 ** math.ceil(math.log10(tiny))
 
 
-def update_report(step: int, bad: list[BadUpdate], note: str, classes: dict[str, str], fixed_by: float | None,
+def update_report(step: int, bad: list[BadUpdate], note: str, class_of: Callable[[str], str], fixed_by: float | None,
                   eps: float, rank: int | None) -> NonFiniteReport:
     """The report of an update the trial found non-finite (``bad``, largest share first), raised before it is applied.
-    ``note``: what the optimizer cannot do in its parameters' dtype, as seen on it; ``classes``: module name -> class;
-    ``fixed_by``: the eps whose trial came out finite (None: the trial with ``eps`` was not finite either)."""
+    ``note``: what the optimizer cannot do in its parameters' dtype, as seen on it; ``class_of``: a module's name ->
+    its class; ``fixed_by``: the eps whose trial came out finite (None: the trial with ``eps`` was not finite
+    either)."""
     bad = sorted(bad, key=lambda b: -b.count / b.numel)
     worst = bad[0]
     module, _, label = worst.name.rpartition(".")
-    first = FirstNonFinite(step, UPDATE, module, classes.get(module, "?"), label, worst.value)
+    first = FirstNonFinite(step, UPDATE, module, class_of(module), label, worst.value)
     more = ""
     if len(bad) > 1:
         named = ", ".join(b.name for b in bad[1:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
@@ -112,7 +114,7 @@ def update_report(step: int, bad: list[BadUpdate], note: str, classes: dict[str,
            + "keep the weights and the optimizer's state in fp32 and compute in fp16 under autocast (Lightning: "
            "precision='16-mixed'), or train in bf16 where the device has it (Lightning: precision='bf16-true')")
     # what was seen: each parameter as the tried update leaves it, beside the (finite) gradient it was given
-    frames = [ResolvedFrame(step, UPDATE, b.name.rpartition(".")[0], classes.get(b.name.rpartition(".")[0], "?"),
+    frames = [ResolvedFrame(step, UPDATE, b.name.rpartition(".")[0], class_of(b.name.rpartition(".")[0]),
                             [b.grad, b.after]) for b in bad[:3]]
     report = NonFiniteReport(step, first, frames, text, fix=fix, rank=rank, cause=causes.OPTIMIZER_UPDATE)
     report.evidence = (Evidence.of(frames[0], worst.after),)

@@ -168,6 +168,10 @@ class WatchedModel:
         return _described(seen.chain, seen.classes[id(seen.root)], self.optimizer, grads, watch, headroom_every,
                           record_every)
 
+    def class_of(self, name: str) -> str:
+        """The class a report names the watched module ``name`` by (as its frames do), or "?" when none is."""
+        return next((i.cls for i in self.infos.values() if i.name == name), "?")
+
     def kept_in_fp32(self) -> tuple[str, ...]:
         """The modules a ``keep_fp32`` guard keeps in fp32 now (what a report's advice must extend)."""
         return kept_in_fp32(self.modules)
